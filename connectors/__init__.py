@@ -1,0 +1,1 @@
+"""Per-backend adapters: what differs between the inner connectors we wrap."""

@@ -1,0 +1,1 @@
+"""``@triton.jit`` kernels only; launchers live in ``kvtail_connector.ops``."""
