@@ -277,3 +277,34 @@ def describe_caches(
                 f"not a multiple of {pages_per_block}"
             )
     return geoms
+
+
+def whole_block_rows(geoms: Sequence[CacheGeometry], pages_per_block: int) -> list[Row]:
+    """Rows that zero every slot of a manager block in as few spans as possible.
+
+    Each cache contributes the byte intervals its slots cover in block 0;
+    intervals that share a block stride are united and adjacent ones merged
+    (consecutive heads, pages, or layers interleaved in one block), so whole
+    blocks are zeroed by long spans without touching a byte no view covers.
+    Regions with gaps between slots stay per-slot rows.
+    """
+    spans: dict[int, list[tuple[int, int]]] = {}
+    strided: list[Row] = []
+    for g in geoms:
+        for r in g.rows(pages_per_block):
+            if r.slot_stride == r.run:
+                spans.setdefault(r.block_stride, []).append((r.base, r.base + r.n_slots * r.run))
+            else:
+                strided.append(Row(r.base, r.block_stride, r.slot_stride, r.run, r.n_slots, 0))
+    rows: list[Row] = []
+    for block_stride, intervals in spans.items():
+        intervals.sort()
+        start, end = intervals[0]
+        for lo, hi in intervals[1:]:
+            if lo <= end:
+                end = max(end, hi)
+                continue
+            rows.append(Row(start, block_stride, end - start, end - start, 1, 0))
+            start, end = lo, hi
+        rows.append(Row(start, block_stride, end - start, end - start, 1, 0))
+    return rows + list(dict.fromkeys(strided))

@@ -1,0 +1,288 @@
+""":class:`KVZeroer`: zero whole blocks and tails of several cache groups at once.
+
+Row tables are derived once from the caches; each call turns its items into
+one work buffer (a header and one line per item) and one kernel launch on
+CUDA, or one vectorized torch pass per group elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvtail_connector.ops import launcher as L
+from kvtail_connector.ops import torch_path
+from kvtail_connector.ops.geometry import (
+    CacheGeometry,
+    RegionCache,
+    Row,
+    describe_caches,
+    whole_block_rows,
+)
+
+CacheLike = torch.Tensor | RegionCache
+Backend = Literal["auto", "triton", "torch"]
+
+
+def _unit(row: Row) -> int:
+    return 4 if row.word_aligned else 1
+
+
+def _vectorizable(row: Row) -> bool:
+    """16-byte stores are exact: aligned page and runs of whole 16-byte vectors."""
+    return (
+        row.slot_stride == row.run
+        and row.base % 16 == 0
+        and row.block_stride % 16 == 0
+        and row.run % 16 == 0
+    )
+
+
+def _row_table(rows: list[Row]) -> np.ndarray:
+    table = np.zeros((max(len(rows), 1), L.ROW_COLS), dtype=np.int64)
+    for i, r in enumerate(rows):
+        unit = _unit(r)
+        table[i] = (
+            r.base,
+            r.block_stride,
+            r.slot_stride // unit,
+            r.run // unit,
+            r.n_slots,
+            r.first_slot,
+            unit,
+            int(_vectorizable(r)),
+        )
+    return table
+
+
+@dataclass
+class Prepared:
+    """A staged launch: the work buffer is on the device; ``launch`` only enqueues it.
+
+    Graph-capturable on CUDA (the staging copy happened in ``prepare``).
+    """
+
+    zeroer: KVZeroer
+    items: np.ndarray  # validated live items (group, block, first)
+    work: torch.Tensor | None  # None on the torch backend
+    units: int
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+    def launch(self) -> None:
+        if self.work is None:
+            self.zeroer._zero_torch(self.items)
+        else:
+            assert self.zeroer._launcher is not None, "triton backend has a launcher"
+            self.zeroer._launcher.launch_staged(self.work, self.units)
+
+
+class KVZeroer:
+    """Zero whole blocks and block tails across cache groups in one launch.
+
+    Args:
+        groups: per cache group, ``(caches, pages_per_block)``. ``caches`` are
+            per-layer ``[B, H, N, C]`` views (any strides and dtype) or
+            :class:`RegionCache` s; ``B = num_blocks * pages_per_block``.
+            Groups may share tensors; each group reaches all of its caches.
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
+            ``"torch"``, or ``"auto"``: Triton on CUDA, torch otherwise.
+        use_graphs: on CUDA, replay small launches from CUDA graphs.
+
+    Raises:
+        ValueError: for invalid caches, naming the argument.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[Sequence[CacheLike], int]],
+        *,
+        backend: Backend = "auto",
+        use_graphs: bool = True,
+    ) -> None:
+        self._geoms: list[list[CacheGeometry]] = []
+        self._pages: list[int] = []
+        self._num_blocks: list[int] = []
+        # Per group: rows for tails (one per region and page) and rows for
+        # whole blocks (merged spans); both live in one row table.
+        slot_rows: list[list[Row]] = []
+        block_rows: list[list[Row]] = []
+        devices: set[torch.device] = set()
+        for caches, pages_per_block in groups:
+            geoms = describe_caches(caches, pages_per_block)
+            devices.update(g.tensor.device for g in geoms)
+            self._geoms.append(geoms)
+            self._pages.append(pages_per_block)
+            self._num_blocks.append(min((g.num_pages // pages_per_block for g in geoms), default=0))
+            slot_rows.append(list(dict.fromkeys(r for g in geoms for r in g.rows(pages_per_block))))
+            block_rows.append(whole_block_rows(geoms, pages_per_block))
+        if len(devices) > 1:
+            raise ValueError(
+                f"caches: all caches must be on one device, got {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        per_block = [
+            [g.slots_per_page * p for g in gs]
+            for gs, p in zip(self._geoms, self._pages, strict=True)
+        ]
+        # A first slot may reach the smallest block; past the largest one,
+        # nothing is left to zero in any cache.
+        self._max_first = np.array([min(x, default=0) for x in per_block], dtype=np.int64)
+        self._any_slots = np.array([max(x, default=0) for x in per_block], dtype=np.int64)
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        if backend not in ("triton", "torch"):
+            raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend == "triton" and self.device.type != "cuda" and not L.interpreting():
+            raise ValueError(
+                "backend: 'triton' needs CUDA caches, or TRITON_INTERPRET=1 for CPU caches"
+            )
+        self.backend: Backend = backend
+
+        # Row ranges: index g for group g's slot rows, n_groups + g for its block rows.
+        all_lists = slot_rows + block_rows
+        self._n_groups = len(slot_rows)
+        self._row_count = np.array([len(rows) for rows in all_lists], dtype=np.int64)
+        self._row_start = np.zeros_like(self._row_count)
+        self._row_start[1:] = np.cumsum(self._row_count)[:-1]
+        self._max_span = np.array(
+            [max((r.n_slots * r.run // _unit(r) for r in rows), default=0) for rows in all_lists],
+            dtype=np.int64,
+        )
+        self.num_rows = sum(len(rows) for rows in slot_rows)
+        self._launcher: L.KernelLauncher | None = None
+        if self.backend == "triton":
+            table = torch.from_numpy(_row_table([r for rows in all_lists for r in rows]))
+            self._launcher = L.KernelLauncher(
+                self.device, table.to(self.device), use_graphs=use_graphs
+            )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._geoms)
+
+    def num_blocks(self, group: int) -> int:
+        return self._num_blocks[group]
+
+    def slots_per_block(self, group: int) -> int:
+        """``P * N`` of the group (its smallest cache's, if they differ)."""
+        return int(self._max_first[group])
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self._launcher is not None and self._launcher.uses_graphs
+
+    def check_items(self, items: np.ndarray, name: str = "items") -> None:
+        """Raise ValueError naming ``name`` unless every (group, block, first) is valid."""
+        if items.ndim != 2 or items.shape[1] != 3:
+            raise ValueError(f"{name}: expected (group, block, first slot) triples")
+        if items.shape[0] == 0:
+            return
+        groups, blocks, firsts = items[:, 0], items[:, 1], items[:, 2]
+        if groups.min() < 0 or groups.max() >= self.num_groups:
+            raise ValueError(f"{name}: group out of range [0, {self.num_groups})")
+        nb = np.asarray(self._num_blocks, dtype=np.int64)[groups]
+        bad = (blocks < 0) | (blocks >= nb)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}: block id {int(blocks[i])} out of range [0, {int(nb[i])})")
+        limit = self._max_first[groups]
+        bad = (firsts < 0) | (firsts > limit)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"{name}: first slot {int(firsts[i])} out of range [0, {int(limit[i])}] "
+                f"(pages_per_block * slots per page)"
+            )
+
+    # ----------------------------------------------------------------- launch
+
+    def _live(self, items: np.ndarray, validate: bool) -> np.ndarray:
+        items = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+        if validate:
+            self.check_items(items)
+        if items.shape[0] == 0:
+            return items
+        groups = items[:, 0]
+        live = (items[:, 2] < self._any_slots[groups]) & (self._row_count[groups] > 0)
+        return items if live.all() else items[live]
+
+    def _work(self, items: np.ndarray) -> tuple[np.ndarray, int]:
+        """The kernel's work buffer (header + items) and its number of work units."""
+        whole = items[:, 2] == 0
+        ordered = np.concatenate([items[whole], items[~whole]])
+        n_whole = int(whole.sum())
+        groups = ordered[:, 0]
+        slot = groups.copy()
+        slot[:n_whole] += self._n_groups
+        n = ordered.shape[0]
+        work = np.empty(L.HEADER + n * L.ITEM_COLS, dtype=np.int64)
+        table = work[L.HEADER :].reshape(n, L.ITEM_COLS)
+        table[:, 0] = ordered[:, 1]
+        table[:, 1] = ordered[:, 2]
+        table[:, 2] = self._row_start[slot]
+        counts = self._row_count[slot]
+        table[:, 3] = counts
+        spans = self._max_span[slot]
+        header = work[: L.HEADER]
+        header[:] = 0
+        units = 0
+        for kind, sel in ((0, slice(0, n_whole)), (3, slice(n_whole, n))):
+            k = sel.stop - sel.start
+            if k:
+                rows = int(counts[sel].max())
+                chunks = -(-int(spans[sel].max()) // L.BLOCK)
+                header[kind : kind + 3] = (k, rows, chunks)
+                units += k * rows * chunks
+        if units > L.MAX_UNITS:
+            raise ValueError(
+                f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
+            )
+        return work, units
+
+    def prepare(self, items: np.ndarray, *, validate: bool = True) -> Prepared | None:
+        """Validate and stage ``items`` for one launch; None if nothing to zero."""
+        live = self._live(items, validate)
+        if live.shape[0] == 0:
+            return None
+        if self._launcher is None:
+            return Prepared(self, live, None, 0)
+        work, units = self._work(live)
+        return Prepared(self, live, self._launcher.stage(work), units)
+
+    def zero(self, items: np.ndarray, *, validate: bool = True) -> int:
+        """Zero slots ``[first, P*N)`` of each item's block in its group's caches.
+
+        Args:
+            items: int64 ``[n, 3]``: group, manager block id, first local slot
+                to zero (0 zeroes the whole block).
+            validate: check ranges first (skip only for pre-validated items).
+
+        Returns:
+            Items zeroed (0 means nothing was launched).
+        """
+        live = self._live(items, validate)
+        if live.shape[0] == 0:
+            return 0
+        if self._launcher is None:
+            self._zero_torch(live)
+        else:
+            self._launcher.run(*self._work(live))
+        return int(live.shape[0])
+
+    def _zero_torch(self, items: np.ndarray) -> None:
+        groups = items[:, 0]
+        for g in np.unique(groups):
+            sel = items[groups == g]
+            torch_path.zero_group(self._geoms[int(g)], self._pages[int(g)], sel[:, 1], sel[:, 2])
+
+    def warmup(self) -> None:
+        """Compile the kernel (and capture its graphs), touching no cache byte."""
+        if self._launcher is not None:
+            self._launcher.warmup()

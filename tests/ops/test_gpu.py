@@ -1,0 +1,107 @@
+"""Launch geometry and CUDA-only behaviour of the zeroing kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks, warmup
+from kvtail_connector.ops import launcher as L
+from tests.helpers.layouts import make_backing, rebase, to_device
+from tests.ops.test_zero_kv_blocks import INTERPRET
+
+
+def _many_layer_views(device, layers=181, blocks=10_000):
+    # Tiny fp8 pages: 181 layers x 10,000 blocks like DeepSeek-V4's segment count.
+    raw = torch.randint(1, 127, (layers * blocks * 16,), dtype=torch.uint8, device=device)
+    views = [
+        torch.as_strided(raw, (blocks, 1, 4, 4), (16, 16, 4, 1), layer * blocks * 16)
+        for layer in range(layers)
+    ]
+    return raw, views
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs Triton")
+def test_launch_is_bounded_for_181_segments_and_10000_blocks():
+    # vLLM's zeroer overflowed its grid here (#52058): 181 segments x 10,000
+    # blocks x chunks. The persistent kernel's grid never exceeds a fixed
+    # program count; the work only sets how often programs loop.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, views = _many_layer_views(device)
+    zeroer = KVZeroer([(views, 1)], backend="triton")
+    whole = np.stack([np.zeros(10_000), np.arange(10_000), np.zeros(10_000)], 1)
+    tails = np.stack([np.zeros(10_000), np.arange(10_000), np.ones(10_000)], 1)
+    for batch in (whole, tails):
+        launch = zeroer.prepare(batch.astype(np.int64))
+        # One unit per (block, layer page): each page fits one BLOCK chunk.
+        assert launch is not None and launch.units == 10_000 * 181
+        assert launch.units < L.MAX_UNITS
+
+
+@pytest.mark.gpu
+def test_181_segments_10000_blocks_on_cuda():
+    raw, views = _many_layer_views("cuda")
+    expected = raw.cpu().clone()
+    zeroer = KVZeroer([(views, 1)])
+    blocks = np.arange(0, 10_000, 3)
+    zeroer.zero(np.stack([np.zeros_like(blocks), blocks, np.zeros_like(blocks)], 1))
+    reference_zero_kv_blocks(rebase(views, expected), blocks.tolist())
+    assert torch.equal(raw.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_prepared_launch_replays_from_a_cuda_graph():
+    backing = make_backing(
+        "LBHNC", num_layers=4, num_pages=16, heads=2, slots=16, content=64, dtype=torch.bfloat16
+    )
+    expected = backing.raw.clone()
+    reference_zero_kv_blocks(rebase(backing.views, expected), [3], [(5, 7), (9, 1)])
+    dev = to_device(backing, "cuda")
+    zeroer = KVZeroer([(dev.views, 1)])
+    zeroer.warmup()
+    launch = zeroer.prepare(np.array([[0, 3, 0], [0, 5, 7], [0, 9, 1]]))
+    assert launch is not None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dev.raw.cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "staged"])
+def test_staging_buffers_are_not_reused_while_in_flight(use_graphs):
+    backing = make_backing(
+        "LBNHC", num_layers=2, num_pages=64, heads=2, slots=16, content=64, dtype=torch.float16
+    )
+    expected = backing.raw.clone()
+    dev = to_device(backing, "cuda")
+    zeroer = KVZeroer([(dev.views, 1)], use_graphs=use_graphs)
+    # Keep the GPU busy so the copies queue behind it, then stage many calls.
+    spin = torch.empty(1 << 28, device="cuda")
+    for _ in range(4):
+        spin.mul_(1.0)
+    calls = [(b, (b * 7) % 16) for b in range(64)]
+    for b, v in calls:
+        zeroer.zero(np.array([[0, b, v]]))
+    reference_zero_kv_blocks(rebase(backing.views, expected), (), calls)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.raw.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_warmup_compiles_without_touching_memory():
+    warmup("cuda")
+    backing = to_device(
+        make_backing(
+            "LBHNC", num_layers=1, num_pages=2, heads=1, slots=4, content=8, dtype=torch.float32
+        ),
+        "cuda",
+    )
+    before = backing.raw.clone()
+    KVZeroer([(backing.views, 1)]).warmup()
+    torch.cuda.synchronize()
+    assert torch.equal(backing.raw, before)
