@@ -1,1 +1,42 @@
-"""Per-backend adapters: what differs between the inner connectors we wrap."""
+"""Per-backend adapters: what differs between the inner connectors we wrap.
+
+Adapters are chosen by the inner connector class's ancestry (class names, so
+that no optional transport is imported just to choose).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import BackendAdapter
+from .mooncake_store import MooncakeStoreAdapter
+from .moriio import MoRIIOAdapter
+from .nixl import NixlAdapter
+
+_BY_CLASS_NAME: dict[str, type[BackendAdapter]] = {
+    "NixlBaseConnector": NixlAdapter,
+    "NixlConnector": NixlAdapter,
+    "MooncakeStoreConnector": MooncakeStoreAdapter,
+    "MoRIIOConnector": MoRIIOAdapter,
+}
+
+# pip extras by backend name prefix, for ImportErrors raised while loading one.
+EXTRAS = {"Nixl": "nixl", "Mooncake": "mooncake", "MoRIIO": "moriio"}
+
+
+def adapter_for(inner_cls: type, inner_extra_config: dict[str, Any]) -> BackendAdapter:
+    for klass in inner_cls.__mro__:
+        adapter = _BY_CLASS_NAME.get(klass.__name__)
+        if adapter is not None:
+            return adapter(inner_extra_config)
+    return BackendAdapter(inner_extra_config)
+
+
+def extra_for(backend_name: str) -> str | None:
+    for prefix, extra in EXTRAS.items():
+        if backend_name.startswith(prefix):
+            return extra
+    return None
+
+
+__all__ = ["BackendAdapter", "adapter_for", "extra_for"]

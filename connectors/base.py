@@ -1,0 +1,35 @@
+"""The adapter interface: what the wrapper does differently per inner connector."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+
+class BackendAdapter:
+    """Defaults for a connector that needs nothing special (any async loader).
+
+    Attributes:
+        family: short name used in logs and errors.
+        extra: the ``kvtail-connector[...]`` extra that installs the transport.
+    """
+
+    family: ClassVar[str] = "generic"
+    extra: ClassVar[str | None] = None
+
+    def __init__(self, inner_extra_config: dict[str, Any]) -> None:
+        self.inner_extra_config = inner_extra_config
+
+    def validate(self, vllm_config: Any, backend_name: str) -> None:
+        """Refuse, at start-up, configurations that only work when vLLM sees
+        the inner connector by name (name-keyed checks do not see through a
+        wrapper). Raise ValueError naming the setting and the fix."""
+
+    @property
+    def sync_read(self) -> bool:
+        """Loads complete synchronously by RDMA READ into blocks vLLM zeroes."""
+        return False
+
+    def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
+        """``(request id, per-group local block ids)`` the READs of this step write."""
+        return ()

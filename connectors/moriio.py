@@ -1,0 +1,27 @@
+"""MoRIIOConnector: synchronous READ loads land in blocks vLLM is zeroing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from .base import BackendAdapter
+
+
+class MoRIIOAdapter(BackendAdapter):
+    """In READ mode the load is synchronous, so vLLM records its destination
+    blocks for zeroing; the zeroing kernel can run after the RDMA READ landed.
+    The wrapper drops READ destinations from ``new_block_ids_to_zero``."""
+
+    family: ClassVar[str] = "moriio"
+    extra: ClassVar[str | None] = "moriio"
+
+    @property
+    def sync_read(self) -> bool:
+        # vLLM's get_moriio_mode: READ iff read_mode is "true" or "1".
+        return str(self.inner_extra_config.get("read_mode", "false")).lower() in ("true", "1")
+
+    def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
+        reqs = getattr(inner_metadata, "reqs_to_recv", None) or {}
+        for req_id, meta in reqs.items():
+            yield req_id, meta.local_block_ids

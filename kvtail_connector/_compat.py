@@ -1,0 +1,91 @@
+"""Every difference between the supported vLLM releases (0.32, 0.33), and nothing else.
+
+Other modules ask this one; none of them compares versions itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED = ((0, 32), (0, 33))
+SUPPORTED_TEXT = "vLLM 0.32.x and 0.33.x"
+
+
+class UnsupportedVLLMError(RuntimeError):
+    """The installed vLLM is outside the supported range."""
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    text = getattr(vllm, "__version__", "0.0")
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise UnsupportedVLLMError(
+            f"kvtail-connector supports {SUPPORTED_TEXT}; cannot parse vLLM version {text!r}"
+        ) from None
+
+
+def check_vllm_version() -> tuple[int, int]:
+    """Return ``(major, minor)``; raise one clear error outside the supported range."""
+    import vllm
+
+    version = vllm_version()
+    if version not in SUPPORTED:
+        raise UnsupportedVLLMError(
+            f"kvtail-connector supports {SUPPORTED_TEXT}; found vLLM {vllm.__version__}. "
+            "Install a supported vLLM (pip install 'vllm>=0.32,<0.34') or a "
+            "kvtail-connector release that supports yours."
+        )
+    return version
+
+
+def moriio_read_lands_in_start_load_kv() -> bool:
+    """MoRIIO READ loads complete inside ``start_load_kv`` (before the forward).
+
+    0.33 waits for every READ in ``start_load_kv``; 0.32 waits per layer in
+    ``wait_for_layer_load``, inside the forward.
+    """
+    return vllm_version() >= (0, 33)
+
+
+# Hooks of KVConnectorBase_V1 that only some supported releases define. The
+# wrapper forwards them where the base class has them.
+OPTIONAL_WORKER_HOOKS = ("unregister_kv_caches", "restore_kv_caches")  # 0.33
+OPTIONAL_CLASS_HOOKS = ("supports_sleep_mode",)  # 0.33
+
+
+def base_has(name: str) -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, name)
+
+
+def replace_transfer_config(config: Any, **changes: Any) -> Any:
+    """A copy of a ``KVTransferConfig`` with ``changes`` (same in 0.32 and 0.33)."""
+    return dataclasses.replace(config, **changes)
+
+
+def is_null_block(block: Any) -> bool:
+    """vLLM's null block (sliding-window gaps): ``KVCacheBlock.is_null``."""
+    return bool(getattr(block, "is_null", False))
+
+
+def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:
+    """This process's (DCP rank, DCP world size).
+
+    Workers read vLLM's DCP process group (0.32 and 0.33:
+    ``vllm.distributed.parallel_state.get_dcp_group``); the scheduler has no
+    rank and only needs the world size, from the parallel config.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if role == KVConnectorRole.SCHEDULER or configured_world <= 1:
+        return 0, max(configured_world, 1)
+    from vllm.distributed.parallel_state import get_dcp_group
+
+    group = get_dcp_group()
+    return int(group.rank_in_group), int(group.world_size)

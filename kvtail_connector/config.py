@@ -1,0 +1,99 @@
+"""``KVTailConfig``: the wrapper's ``kv_connector_extra_config``, parsed once.
+
+Everything else in the package receives plain values derived from it; nothing
+re-reads the user's dict, and nothing writes to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PREFIX = "kv_connector_extra_config"
+
+_FIELD_HELP = {
+    "backend": 'the connector to wrap, e.g. "NixlConnector", "MooncakeStoreConnector" or '
+    '"MoRIIOConnector" (or a class name in backend_module_path)',
+    "backend_module_path": "a Python module path that defines the backend class",
+    "backend_extra_config": "a JSON object passed to the backend as its kv_connector_extra_config",
+    "zero_tails": 'one of "auto" (zero when vLLM zeroes new blocks), "always" or "off"',
+    "probe_stale_tails": "true or false",
+}
+
+
+class KVTailConfig(BaseModel):
+    """The wrapper's settings (``kv_transfer_config.kv_connector_extra_config``).
+
+    Attributes:
+        backend: the inner connector: a name registered with vLLM's
+            ``KVConnectorFactory`` or, with ``backend_module_path``, a class
+            name in that module.
+        backend_module_path: module defining ``backend`` (out-of-tree).
+        backend_extra_config: the inner connector's
+            ``kv_connector_extra_config``, passed through untouched.
+        zero_tails: ``auto`` zeroes stale tails exactly when vLLM zeroes new
+            blocks (``kv_cache_config.needs_kv_cache_zeroing``: Mamba layers
+            or mixed-precision caches); ``always`` for every model; ``off``
+            keeps only the wrapper's other duties (MoRIIO READ exclusion,
+            metrics).
+        probe_stale_tails: before zeroing, count non-zero and non-finite tail
+            bytes, log a warning for non-finite ones, and count them.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field(min_length=1)
+    backend_module_path: str | None = None
+    backend_extra_config: dict[str, Any] = Field(default_factory=dict)
+    zero_tails: Literal["auto", "always", "off"] = "auto"
+    probe_stale_tails: bool = False
+
+    @field_validator("backend", "backend_module_path")
+    @classmethod
+    def _no_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _not_self(cls, value: str) -> str:
+        if value == "KVTailConnector":
+            raise ValueError("KVTailConnector cannot wrap itself; name the connector it wraps")
+        return value
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVTailConfig:
+        """Parse ``kv_connector_extra_config``; errors name the field and the fix.
+
+        Raises:
+            ValueError: one message listing every problem.
+        """
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"{PREFIX}: expected a JSON object, got {type(extra).__name__}")
+        try:
+            return cls.model_validate(dict(extra))
+        except ValidationError as e:
+            raise ValueError(_explain(e)) from None
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(root)"
+        name = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(KVTailConfig.model_fields)
+            hint = f"unknown field; the wrapper takes {known}"
+            if name not in KVTailConfig.model_fields:
+                hint += " (the backend's own settings go in backend_extra_config)"
+        elif err["type"] == "missing":
+            hint = f"required: {_FIELD_HELP.get(name, 'set it')}"
+        else:
+            hint = f"{err['msg']}; expected {_FIELD_HELP.get(name, 'a valid value')}"
+        lines.append(f"{PREFIX}.{field}: {hint}")
+    return "invalid KVTailConnector configuration:\n  " + "\n  ".join(lines)

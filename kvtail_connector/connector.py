@@ -1,0 +1,398 @@
+"""``KVTailConnector``: a thin facade around any vLLM KV connector.
+
+Role SCHEDULER delegates to :class:`~kvtail_connector.scheduler.TailScheduler`,
+role WORKER to :class:`~kvtail_connector.worker.TailWorker`; every hook and
+classmethod reaches the inner connector, built like a MultiConnector child.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    supports_hma,
+)
+from vllm.logger import init_logger
+
+from kvtail_connector import _compat, backend
+from kvtail_connector.config import KVTailConfig
+from kvtail_connector.connectors import adapter_for
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.prom import KVTailPromMetrics
+from kvtail_connector.scheduler import TailScheduler
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.worker import RankPlacement, TailWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+
+def _parse(kv_transfer_config: Any) -> KVTailConfig:
+    return KVTailConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
+
+
+def _inner_class(kv_transfer_config: Any) -> tuple[type[KVConnectorBase_V1], Any, KVTailConfig]:
+    cfg = _parse(kv_transfer_config)
+    inner_ktc = backend.inner_transfer_config(kv_transfer_config, cfg)
+    return backend.resolve_backend_class(cfg, inner_ktc), inner_ktc, cfg
+
+
+class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
+    """Wraps the connector named in ``kv_connector_extra_config.backend``.
+
+    See :class:`~kvtail_connector.config.KVTailConfig` for the settings.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        _compat.check_vllm_version()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None, "checked by the base class"
+        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
+        self._cfg = cfg
+        inner_config = backend.inner_vllm_config(vllm_config, cfg)
+        adapter = adapter_for(inner_cls, dict(cfg.backend_extra_config))
+        adapter.validate(vllm_config, cfg.backend)
+        self._inner_hma = supports_hma(inner_cls)
+        hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        if hma_enabled and not self._inner_hma:
+            raise ValueError(
+                f"{cfg.backend} does not support the hybrid KV cache manager (HMA). vLLM turns "
+                "HMA off by itself only when it sees such a connector by name, which it cannot "
+                "through KVTailConnector: pass --disable-hybrid-kv-cache-manager."
+            )
+        self._inner: KVConnectorBase_V1 = backend.build_inner(
+            inner_cls, inner_config, role, kv_cache_config, cfg
+        )
+
+        needs_zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
+        zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
+        parallel = vllm_config.parallel_config
+        dcp_rank, dcp_world = _compat.dcp_rank_and_world(
+            int(getattr(parallel, "decode_context_parallel_size", 1) or 1), role
+        )
+        groups = group_infos(kv_cache_config, dcp_world)
+        has_mamba = bool(kv_cache_config.has_mamba_layers)
+        self._stats = KVTailStats()
+        self._scheduler: TailScheduler | None = None
+        self._worker: TailWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = TailScheduler(
+                self._inner,
+                groups,
+                track_tails=zero,
+                track_failures=zero and not needs_zeroing,
+                # vLLM filters Mamba hybrids itself (attention group only).
+                exclude_reads=adapter.sync_read and needs_zeroing and not has_mamba,
+                adapter=adapter,
+                stats=self._stats,
+            )
+        else:
+            self._worker = TailWorker(
+                groups,
+                RankPlacement(
+                    dcp_rank, dcp_world, int(getattr(parallel, "cp_kv_cache_interleave_size", 1))
+                ),
+                zero_tails=zero,
+                # vLLM re-zeroes a failed load's blocks itself when it zeroes at all
+                # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
+                zero_failed_loads=zero and not needs_zeroing,
+                probe=cfg.probe_stale_tails,
+                stats=self._stats,
+            )
+            self._read_tails_at_start = (
+                adapter.sync_read and _compat.moriio_read_lands_in_start_load_kv()
+            )
+        logger.info(
+            "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
+            "probe_stale_tails=%s",
+            role.name.lower(),
+            cfg.backend,
+            cfg.zero_tails,
+            needs_zeroing,
+            "zeroing tails" if zero else "not zeroing tails",
+            cfg.probe_stale_tails,
+        )
+
+    @property
+    def inner(self) -> KVConnectorBase_V1:
+        return self._inner
+
+    @property
+    def config(self) -> KVTailConfig:
+        return self._cfg
+
+    def scheduler_state_is_empty(self) -> bool:
+        """No wrapper state left for any request (tests' leak check)."""
+        sched = self._scheduler.num_tracked if self._scheduler else 0
+        work = self._worker.num_tracked if self._worker else 0
+        return sched == 0 and work == 0
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self._inner.supports_divergent_local_hybrid_hits
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self._inner.requires_kv_delivery
+
+    # ============================================================ worker side
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        return self._inner.get_mem_pool_context()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(connector_metadata, KVTailMetadata), (
+            "the scheduler and the workers run KVTailConnector"
+        )
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)
+        self._inner.bind_connector_metadata(connector_metadata.inner)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._inner.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._inner.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            layer_objects = getattr(
+                self._vllm_config.compilation_config, "static_forward_context", None
+            )
+            self._worker.register_kv_caches(kv_caches, self._kv_cache_config, layer_objects)
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+        getattr(self._inner, "unregister_kv_caches", lambda: None)()
+
+    def restore_kv_caches(self) -> None:
+        getattr(self._inner, "restore_kv_caches", lambda: None)()
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        self._inner.set_host_xfer_buffer_ops(copy_operation)
+
+    def finish_forward(self) -> None:
+        self._inner.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        self._inner.reset_capture_state()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVTailMetadata)
+        self._inner.handle_preemptions(kv_connector_metadata.inner)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.fence()
+        self._inner.start_load_kv(forward_context, **kwargs)
+        if self._worker is not None and self._read_tails_at_start:
+            self._worker.zero_read_tails()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self._inner.get_transfer_results(finished_req_ids)
+        worker = self._worker
+        if worker is not None and results.finished_recving:
+            worker.on_transfer_results(
+                results.finished_recving, results.failed_recving, self._inner
+            )
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is not None:
+            return self._worker.take_load_errors(self._inner)
+        return self._inner.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        inner = self._inner.get_kv_connector_stats()
+        if self._stats.is_empty() and (inner is None or inner.is_empty()):
+            return None
+        return self._stats.take(inner)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self._inner.get_kv_connector_kv_cache_events()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._inner.get_handshake_metadata()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._inner.build_connector_worker_meta()
+
+    def get_finished_count(self) -> int | None:
+        return self._inner.get_finished_count()
+
+    # ========================================================= scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        # Not super(): it would bind the block pool a second time via our hook.
+        self._kv_cache_manager = kv_cache_manager
+        self._inner.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._inner.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._inner.get_loaded_kv_cache_group_ids(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None, "scheduler-side hook"
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
+        return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None, "scheduler-side hook"
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None, "scheduler-side hook"
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Any) -> None:
+        self._inner.on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._inner.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        return self._inner.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        if self._inner_hma:
+            return self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+        assert len(block_ids) == 1, "a non-HMA backend runs with one KV cache group"
+        return self._inner.request_finished(request, block_ids[0])
+
+    def register_finished_partial_tail(
+        self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any
+    ) -> bool:
+        return self._inner.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._inner.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._inner.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._inner.has_pending_push_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._inner.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        self._inner.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def reset_cache(self) -> bool | None:
+        return self._inner.reset_cache()
+
+    # ============================================================ classmethods
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        assert vllm_config.kv_transfer_config is not None
+        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
+        return inner_cls.get_required_kvcache_layout(backend.inner_vllm_config(vllm_config, cfg))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        cfg = KVTailConfig.from_extra_config(extra_config)
+        ktc = KVTransferConfig(
+            kv_connector=cfg.backend,
+            kv_connector_module_path=cfg.backend_module_path,
+            kv_connector_extra_config=dict(cfg.backend_extra_config),
+        )
+        inner_cls = backend.resolve_backend_class(cfg, ktc)
+        return bool(inner_cls.requires_piecewise_for_cudagraph(dict(cfg.backend_extra_config)))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        inner_cls, inner_ktc, _ = _inner_class(kv_transfer_config)
+        check = getattr(inner_cls, "supports_sleep_mode", None)
+        return bool(check(inner_ktc)) if check is not None else False
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVTailStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        assert vllm_config.kv_transfer_config is not None
+        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
+        inner = inner_cls.build_prom_metrics(
+            backend.inner_vllm_config(vllm_config, cfg),
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+        )
+        return KVTailPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, inner
+        )

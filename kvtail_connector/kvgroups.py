@@ -1,0 +1,69 @@
+"""Which KV cache groups have token tails, and how many tokens a block covers.
+
+Derived once from vLLM's ``KVCacheConfig``; the scheduler and worker sides
+receive these plain values instead of re-reading vLLM's config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One KV cache group, as far as tails are concerned.
+
+    Attributes:
+        group_id: index in ``kv_cache_config.kv_cache_groups``.
+        has_tails: attention pages addressed slot by slot (not Mamba state,
+            ring buffers, raw buffers or host-resident pools).
+        block_size: tokens of one rank-local block.
+        dcp_size: ranks a block's tokens are dealt to (1 when replicated).
+        tokens_per_state: tokens one stored slot covers (DeepSeek-V4 > 1).
+    """
+
+    group_id: int
+    has_tails: bool
+    block_size: int
+    dcp_size: int
+    tokens_per_state: int | Fraction = 1
+
+    @property
+    def effective_block(self) -> int:
+        """Tokens one manager block covers across DCP ranks."""
+        return self.block_size * self.dcp_size
+
+
+def _layer_specs(spec: Any) -> list[Any]:
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    return list(inner.values()) if inner else [spec]
+
+
+def group_infos(kv_cache_config: Any, dcp_world_size: int) -> tuple[GroupInfo, ...]:
+    """Tail facts for every group of ``kv_cache_config``."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    infos = []
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        specs = _layer_specs(group.kv_cache_spec)
+        attention = all(isinstance(s, AttentionSpec) for s in specs)
+        has_tails = (
+            attention
+            and not getattr(group, "host_resident", False)
+            and all(getattr(s, "uses_slot_mapping", True) for s in specs)
+            and all(getattr(s, "has_layer_views", True) for s in specs)
+        )
+        sharded = attention and all(getattr(s, "dcp_sharded", False) for s in specs)
+        tps = {getattr(s, "tokens_per_state", 1) for s in specs} if attention else {1}
+        infos.append(
+            GroupInfo(
+                group_id=gid,
+                has_tails=has_tails,
+                block_size=int(group.kv_cache_spec.block_size),
+                dcp_size=dcp_world_size if sharded else 1,
+                tokens_per_state=tps.pop() if len(tps) == 1 else 1,
+            )
+        )
+    return tuple(infos)

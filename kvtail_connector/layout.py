@@ -1,0 +1,113 @@
+"""vLLM's per-layer KV views -> the cache sets the zeroer works on.
+
+``register_kv_caches`` hands every layer's ``[B, H, N, C]`` view (views of one
+backing buffer; groups overlay each other). Each attention group with tails
+becomes one or more cache sets: its layers' views with the kernel pages per
+manager block (``B // num_blocks``) and tokens per stored slot. Pages the
+``[B, H, N, C]`` view does not describe slot by slot (the DeepSeek indexer's
+values-then-scales pages) become :class:`RegionCache` s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.ops import RegionCache, indexer_cache
+
+# Layer classes whose cache pages hold all values, then all scales (fp8).
+INDEXER_LAYER_CLASSES = frozenset({"DeepseekV32IndexerCache", "DeepseekV4IndexerCache"})
+# fp8 indexer slot: D fp8 values + D/128 fp32 scales (D + D/32 bytes).
+_FP8_SLOT_NUM, _FP8_SLOT_DEN = 33, 32
+# MXFP4 indexer slot: D/2 packed values + D/32 scales, token-major in the page.
+_FP4_SLOT_NUM, _FP4_SLOT_DEN = 17, 32
+
+
+@dataclass
+class CacheSet:
+    """Caches of one KV cache group sharing one page geometry.
+
+    Attributes:
+        group_id: the KV cache group.
+        pages_per_block: kernel pages per manager block.
+        tokens_per_state: tokens one stored slot covers.
+        caches: per-layer views or region caches.
+        layer_names: the layers, for messages.
+    """
+
+    group_id: int
+    pages_per_block: int
+    tokens_per_state: int | Fraction
+    caches: list[torch.Tensor | RegionCache] = field(default_factory=list)
+    layer_names: list[str] = field(default_factory=list)
+
+
+def _layer_spec(group_spec: Any, layer: str) -> Any:
+    inner = getattr(group_spec, "kv_cache_specs", None)
+    return inner[layer] if inner else group_spec
+
+
+def _is_indexer(spec: Any, layer_object: Any) -> bool:
+    role = getattr(spec, "cache_role", None)
+    if role is not None and getattr(role, "value", role) == "indexer":
+        return True
+    return type(layer_object).__name__ in INDEXER_LAYER_CLASSES
+
+
+def _as_cache(layer: str, view: torch.Tensor, spec: Any, layer_object: Any) -> Any:
+    if not _is_indexer(spec, layer_object):
+        return view
+    c_bytes = view.shape[-1] * view.element_size()
+    if c_bytes % _FP8_SLOT_NUM == 0 and (c_bytes // _FP8_SLOT_NUM * _FP8_SLOT_DEN) % 128 == 0:
+        value_bytes = c_bytes // _FP8_SLOT_NUM * _FP8_SLOT_DEN
+        return indexer_cache(view, value_bytes, c_bytes - value_bytes)
+    if c_bytes % _FP4_SLOT_NUM == 0 and (c_bytes // _FP4_SLOT_NUM * _FP4_SLOT_DEN) % 64 == 0:
+        return view  # MXFP4: values and scales packed per token, one slot per token
+    raise ValueError(
+        f"KVTailConnector: indexer cache layer {layer!r} has {c_bytes}-byte slots, which match "
+        "neither the fp8 (values then scales) nor the MXFP4 indexer page; its tails cannot be "
+        'zeroed exactly. Use zero_tails: "off" for this model and report the layout.'
+    )
+
+
+def cache_sets(
+    kv_caches: Mapping[str, Any],
+    kv_cache_config: Any,
+    groups: tuple[GroupInfo, ...],
+    layer_objects: Mapping[str, Any] | None = None,
+) -> list[CacheSet]:
+    """Cache sets of every group with tails.
+
+    Raises:
+        ValueError: at start-up, for a view whose pages do not split evenly
+            into manager blocks, or an indexer page of unknown layout.
+    """
+    layer_objects = layer_objects or {}
+    num_blocks = int(kv_cache_config.num_blocks)
+    sets: dict[tuple[int, int, int | Fraction], CacheSet] = {}
+    for info in groups:
+        if not info.has_tails:
+            continue
+        group = kv_cache_config.kv_cache_groups[info.group_id]
+        for layer in group.layer_names:
+            view = kv_caches.get(layer)
+            if not isinstance(view, torch.Tensor) or view.dim() != 4:
+                continue  # raw buffers, host pools, layers this worker does not hold
+            pages = int(view.shape[0])
+            if pages % num_blocks:
+                raise ValueError(
+                    f"KVTailConnector: layer {layer!r} has {pages} kernel pages, not a multiple "
+                    f"of num_blocks={num_blocks}; cannot map manager blocks to its pages."
+                )
+            spec = _layer_spec(group.kv_cache_spec, layer)
+            tps = getattr(spec, "tokens_per_state", 1)
+            key = (info.group_id, pages // num_blocks, tps)
+            cs = sets.setdefault(key, CacheSet(info.group_id, pages // num_blocks, tps))
+            cs.caches.append(_as_cache(layer, view, spec, layer_objects.get(layer)))
+            cs.layer_names.append(layer)
+    return list(sets.values())

@@ -1,0 +1,57 @@
+"""Prometheus counters for the wrapper, beside the inner connector's metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvtail_connector.stats import COUNTERS, INNER
+
+# Metric name suffix and help text per counter (names: vllm:kvtail_<suffix>).
+METRICS = {
+    "tails_zeroed": "Stale block tails zeroed after KV loads.",
+    "tail_bytes_zeroed": "Bytes of stale block tails zeroed after KV loads.",
+    "read_blocks_exempted": "MoRIIO READ destination blocks kept from vLLM's new-block zeroing.",
+    "failed_loads": "KV loads reported failed or with invalid blocks.",
+    "probed_tails": "Loaded requests whose tails probe_stale_tails inspected.",
+    "stale_nonzero_bytes": "Non-zero bytes probe_stale_tails found in tails before zeroing.",
+    "stale_nonfinite_values": "Non-finite values probe_stale_tails found in tails before zeroing.",
+}
+assert set(METRICS) == set(COUNTERS), "every counter has a metric"
+
+
+class KVTailPromMetrics(KVConnectorPromMetrics):
+    """One counter per :data:`~kvtail_connector.stats.COUNTERS` entry, per
+    engine, with vLLM's labels; the inner connector's metrics observe their
+    own payload."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        inner: KVConnectorPromMetrics | None,
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._inner = inner
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvtail_{name}", documentation=doc, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in METRICS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = int(transfer_stats_data.get(name, 0))
+            if value:
+                per_engine[engine_idx].inc(value)  # type: ignore[union-attr]
+        inner = transfer_stats_data.get(INNER)
+        if self._inner is not None and inner is not None:
+            self._inner.observe(inner, engine_idx)

@@ -1,0 +1,163 @@
+"""Scheduler side: note where each load ends, ship it to the workers once.
+
+At ``get_num_new_matched_tokens`` the wrapper learns the local computed count
+and whether the inner load is async; at ``update_state_after_alloc`` it gets
+the blocks and the external token count. That is everything a worker needs to
+find the load's stale tail, so a :class:`LoadRecord` goes into this step's
+metadata and the scheduler keeps nothing about the request afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+
+from kvtail_connector import _compat
+from kvtail_connector.connectors import BackendAdapter
+from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.stats import KVTailStats
+
+logger = init_logger(__name__)
+
+
+class TailScheduler:
+    """The wrapper's scheduler-side state around the inner connector.
+
+    Args:
+        inner: the wrapped connector (scheduler role).
+        groups: tail facts per KV cache group.
+        track_tails: record loads for tail zeroing (``zero_tails`` resolved).
+        track_failures: workers zero failed loads' blocks, so every load is
+            recorded, block-aligned ones included.
+        exclude_reads: drop MoRIIO READ destinations from
+            ``new_block_ids_to_zero`` (READ mode, zeroing on, no Mamba).
+        adapter: what differs for this inner connector.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        groups: tuple[GroupInfo, ...],
+        *,
+        track_tails: bool,
+        track_failures: bool,
+        exclude_reads: bool,
+        adapter: BackendAdapter,
+        stats: KVTailStats,
+    ) -> None:
+        self._inner = inner
+        self._groups = groups
+        self._track_tails = track_tails
+        self._track_failures = track_failures
+        self._exclude_reads = exclude_reads
+        self._adapter = adapter
+        self._stats = stats
+        # req_id -> (local computed tokens, load is async) from the latest
+        # get_num_new_matched_tokens with a positive hit; consumed at alloc.
+        self._matched: dict[str, tuple[int, bool]] = {}
+        self._pending: list[LoadRecord] = []
+        self._pending_reads: list[LoadRecord] = []
+
+    # ----------------------------------------------------------------- hooks
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        if count:
+            self._matched[request.request_id] = (num_computed_tokens, bool(load_async))
+        else:
+            self._matched.pop(request.request_id, None)
+        return count, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        local, load_async = matched
+        if load_async and not self._track_tails:
+            return
+        if not load_async and not (self._track_tails and self._adapter.sync_read):
+            return  # other sync loads complete before vLLM's own zeroing sees them
+        record = self._record(request, blocks, local, local + num_external_tokens)
+        if record is not None:
+            (self._pending if load_async else self._pending_reads).append(record)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
+        inner_meta = self._inner.build_connector_meta(scheduler_output)
+        if self._exclude_reads and scheduler_output.new_block_ids_to_zero:
+            self._drop_read_destinations(scheduler_output, inner_meta)
+        meta = KVTailMetadata(
+            inner=inner_meta, loads=tuple(self._pending), read_loads=tuple(self._pending_reads)
+        )
+        if self._pending or self._pending_reads:
+            logger.debug(
+                "kvtail: shipping %d load(s), %d READ load(s)",
+                len(self._pending),
+                len(self._pending_reads),
+            )
+        self._pending.clear()
+        self._pending_reads.clear()
+        return meta
+
+    def request_finished(self, request: Any) -> None:
+        self._matched.pop(request.request_id, None)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _record(self, request: Any, blocks: Any, local: int, loaded: int) -> LoadRecord | None:
+        block_ids = blocks.get_block_ids()
+        loaded_groups = self._inner.get_loaded_kv_cache_group_ids(request)
+        entries = []
+        any_tail = False
+        for gid in loaded_groups:
+            info = self._groups[gid]
+            if not info.has_tails:
+                continue
+            eb = info.effective_block
+            any_tail = any_tail or loaded % eb != 0
+            first = local // eb
+            last = -(-loaded // eb)  # one past the last block the load writes
+            ids = block_ids[gid][first:last]
+            group_blocks = blocks.blocks[gid][first:last]
+            entries.append(
+                GroupLoad(
+                    group=gid,
+                    first_block=first,
+                    block_ids=tuple(
+                        NULL_BLOCK if _compat.is_null_block(b) else int(i)
+                        for i, b in zip(ids, group_blocks, strict=True)
+                    ),
+                )
+            )
+        if not entries or not (any_tail or self._track_failures):
+            return None  # block-aligned: nothing stale to zero, nothing to watch
+        return LoadRecord(request.request_id, local, loaded, tuple(entries))
+
+    def _drop_read_destinations(self, scheduler_output: Any, inner_meta: Any) -> None:
+        """Synchronous READs overwrite their destination blocks; zeroing them too
+        can land after the RDMA READ. vLLM allows a sync READ connector to drop
+        them (KVConnectorBase_V1.build_connector_meta); do it for every group."""
+        dests = {
+            b
+            for _, per_group in self._adapter.read_destinations(inner_meta)
+            for ids in per_group
+            for b in ids
+        }
+        if not dests:
+            return
+        before = scheduler_output.new_block_ids_to_zero
+        kept = [b for b in before if b not in dests]
+        removed = len(before) - len(kept)
+        if removed:
+            scheduler_output.new_block_ids_to_zero = kept
+            self._stats.add("read_blocks_exempted", removed)
+            logger.debug("kvtail: %d READ destination block(s) kept from zeroing", removed)
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests with wrapper state (0 when idle: the leak check)."""
+        return len(self._matched) + len(self._pending) + len(self._pending_reads)

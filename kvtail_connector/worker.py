@@ -1,0 +1,306 @@
+"""Worker side: zero a load's stale tail when the inner connector reports it done.
+
+The wrapper's ``get_transfer_results`` asks the inner connector, then zeroes
+the tails of every request reported in ``finished_recving`` (not failed) on
+the current stream, in one launch, *before* returning. The scheduler cannot
+promote, free, reuse or CoW-copy those blocks before it has seen that result,
+so every later reader is ordered after the zeroing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.layout import CacheSet, cache_sets
+from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
+from kvtail_connector.ops import KVZeroer
+from kvtail_connector.probe import probe_items
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.tails import first_stale_slot
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where this worker sits in decode context parallelism."""
+
+    dcp_rank: int = 0
+    dcp_world_size: int = 1
+    interleave: int = 1
+
+
+@dataclass(frozen=True)
+class _SetInfo:
+    index: int  # zeroer group
+    tokens_per_state: int | Fraction
+
+
+class TailWorker:
+    """The wrapper's worker-side state around the inner connector.
+
+    Args:
+        groups: tail facts per KV cache group.
+        placement: this rank's DCP placement.
+        zero_tails: zero tails of completed loads (``zero_tails`` resolved).
+        zero_failed_loads: zero the destination blocks of failed loads from
+            the first invalid block on (when vLLM does not re-zero them).
+        probe: count stale bytes before zeroing (``probe_stale_tails``).
+        stats: the counters this side reports.
+    """
+
+    def __init__(
+        self,
+        groups: tuple[GroupInfo, ...],
+        placement: RankPlacement,
+        *,
+        zero_tails: bool,
+        zero_failed_loads: bool,
+        probe: bool,
+        stats: KVTailStats,
+    ) -> None:
+        self._groups = groups
+        self._placement = placement
+        self._zero_tails = zero_tails
+        self._zero_failed = zero_failed_loads
+        self._probe = probe
+        self._stats = stats
+        self._zeroer: KVZeroer | None = None
+        self._sets: list[CacheSet] = []
+        self._sets_of_group: dict[int, list[_SetInfo]] = {}
+        self._loads: dict[str, LoadRecord] = {}
+        self._read_loads: list[LoadRecord] = []
+        # Invalid block ids seen for loads still in flight, and ids fetched
+        # from the inner connector early that the runner has not collected.
+        self._load_errors: set[int] = set()
+        self._reported_errors: set[int] = set()
+        self._last_zeroing: torch.cuda.Event | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, Any],
+        kv_cache_config: Any,
+        layer_objects: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not (self._zero_tails or self._zero_failed):
+            return
+        self._sets = cache_sets(kv_caches, kv_cache_config, self._groups, layer_objects)
+        if not self._sets:
+            logger.info("KVTailConnector: no attention cache with token tails on this worker")
+            return
+        self._zeroer = KVZeroer([(s.caches, s.pages_per_block) for s in self._sets])
+        self._sets_of_group = {}
+        for i, s in enumerate(self._sets):
+            self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
+        self._zeroer.warmup()
+        logger.info(
+            "KVTailConnector: zeroing tails on %s (%s backend%s): %d layer(s) in %d set(s), "
+            "DCP rank %d/%d, interleave %d",
+            self._zeroer.device,
+            self._zeroer.backend,
+            ", CUDA graphs" if self._zeroer.uses_graphs else "",
+            sum(len(s.caches) for s in self._sets),
+            len(self._sets),
+            self._placement.dcp_rank,
+            self._placement.dcp_world_size,
+            self._placement.interleave,
+        )
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode released the KV memory: launch nothing until restored."""
+        self._saved, self._zeroer = self._zeroer, None
+
+    def restore_kv_caches(self) -> None:
+        self._zeroer = getattr(self, "_saved", None)
+
+    def bind(self, meta: KVTailMetadata) -> None:
+        for record in meta.loads:
+            self._loads[record.req_id] = record
+        self._read_loads.extend(meta.read_loads)
+
+    def fence(self) -> None:
+        """Before the inner connector starts a load, earlier zeroing has executed.
+
+        A transfer that bypasses the stream (RDMA) into a block freed and
+        reallocated since could otherwise land before a zeroing of that block
+        enqueued in an earlier step.
+        """
+        event = self._last_zeroing
+        if event is not None and not event.query():
+            event.synchronize()
+
+    @property
+    def num_tracked(self) -> int:
+        """Loads this worker still holds (0 when idle: the leak check)."""
+        return len(self._loads) + len(self._read_loads)
+
+    # ------------------------------------------------------------ completion
+
+    def take_load_errors(self, inner: Any) -> set[int]:
+        """The runner's ``get_block_ids_with_load_errors``: the inner connector's
+        ids (some fetched earlier, in ``on_transfer_results``), noted for
+        loads still in flight."""
+        errors = self._reported_errors | inner.get_block_ids_with_load_errors()
+        self._reported_errors = set()
+        if errors and self._loads:
+            self._load_errors |= errors
+        return errors
+
+    def on_transfer_results(
+        self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
+    ) -> None:
+        """Zero the tails of completed loads (and failed loads' blocks) in one launch."""
+        if not self._loads:
+            return
+        if self._zero_failed:
+            # This step's invalid blocks are needed now, before the runner asks.
+            fresh = inner.get_block_ids_with_load_errors()
+            self._reported_errors |= fresh
+            self._load_errors |= fresh
+        failed = set(failed_recving)
+        done = [r for r in (self._loads.pop(req, None) for req in finished_recving) if r]
+        if not done:
+            return
+        items: list[tuple[int, int, int]] = []
+        owners: list[str] = []
+        for record in done:
+            start = len(items)
+            invalid = self._first_invalid(record)
+            if record.req_id in failed or invalid is not None:
+                self._stats.add("failed_loads")
+                if self._zero_failed:
+                    items.extend(self._failed_items(record, invalid))
+            elif self._zero_tails:
+                items.extend(self._tail_items(record))
+                self._stats.add("tails_zeroed", len(items) - start)
+            owners.extend([record.req_id] * (len(items) - start))
+        self._forget_errors()
+        self._zero(items, owners)
+
+    def zero_read_tails(self) -> None:
+        """MoRIIO READ loads have landed (before the forward): zero their tails."""
+        if not self._read_loads:
+            return
+        records, self._read_loads = self._read_loads, []
+        items: list[tuple[int, int, int]] = []
+        owners: list[str] = []
+        for record in records:
+            tails = self._tail_items(record)
+            items.extend(tails)
+            owners.extend([record.req_id] * len(tails))
+        self._stats.add("tails_zeroed", len(items))
+        self._zero(items, owners)
+
+    # -------------------------------------------------------------- helpers
+
+    def _zero(self, items: list[tuple[int, int, int]], owners: list[str]) -> None:
+        if not items or self._zeroer is None:
+            return
+        array = np.asarray(items, dtype=np.int64)
+        if self._probe:
+            self._report_probe(array, owners)
+        self._stats.add("tail_bytes_zeroed", self._bytes(array))
+        self._zeroer.zero(array, validate=False)
+        if self._zeroer.device.type == "cuda":
+            event = self._last_zeroing or torch.cuda.Event()
+            event.record()
+            self._last_zeroing = event
+        logger.debug(
+            "kvtail: zeroed %d tail item(s) for %d request(s)", len(items), len(set(owners))
+        )
+
+    def _tail_items(self, record: LoadRecord) -> list[tuple[int, int, int]]:
+        items = []
+        for load in record.groups:
+            info = self._groups[load.group]
+            k, n = divmod(record.num_loaded, info.effective_block)
+            idx = k - load.first_block
+            if n == 0 or not 0 <= idx < len(load.block_ids):
+                continue
+            block = load.block_ids[idx]
+            if block == NULL_BLOCK:
+                continue
+            sharded = info.dcp_size > 1
+            for s in self._sets_of_group.get(load.group, ()):
+                first = first_stale_slot(
+                    n,
+                    dcp_rank=self._placement.dcp_rank if sharded else 0,
+                    dcp_world_size=info.dcp_size,
+                    interleave=self._placement.interleave if sharded else 1,
+                    tokens_per_state=s.tokens_per_state,
+                )
+                items.append((s.index, block, first))
+        return items
+
+    def _forget_errors(self) -> None:
+        if self._load_errors:
+            pending = {b for r in self._loads.values() for g in r.groups for b in g.block_ids}
+            self._load_errors &= pending
+
+    def _first_invalid(self, record: LoadRecord) -> tuple[int, int] | None:
+        """(group, index in its block list) of the load's first invalid block."""
+        if not self._load_errors:
+            return None
+        for load in record.groups:
+            for i, block in enumerate(load.block_ids):
+                if block in self._load_errors:
+                    return load.group, i
+        return None
+
+    def _failed_items(
+        self, record: LoadRecord, invalid: tuple[int, int] | None
+    ) -> list[tuple[int, int, int]]:
+        """Whole destination blocks from the first invalid one on (all, if none
+        is named); never the blocks before it, which hold valid KV."""
+        items = []
+        for load in record.groups:
+            start = invalid[1] if invalid is not None and invalid[0] == load.group else 0
+            for block in load.block_ids[start:]:
+                if block != NULL_BLOCK:
+                    for s in self._sets_of_group.get(load.group, ()):
+                        items.append((s.index, block, 0))
+        return items
+
+    def _bytes(self, items: np.ndarray) -> int:
+        total = 0
+        for set_index, _, first in items.tolist():
+            for cache in self._sets[set_index].caches:
+                total += _slot_bytes(cache) * max(
+                    0, self._sets[set_index].pages_per_block * _slots(cache) - first
+                )
+        return total
+
+    def _report_probe(self, items: np.ndarray, owners: list[str]) -> None:
+        found = probe_items(self._sets, items, owners)
+        for req_id, (nonzero, nonfinite) in found.items():
+            self._stats.add("probed_tails")
+            self._stats.add("stale_nonzero_bytes", nonzero)
+            self._stats.add("stale_nonfinite_values", nonfinite)
+            if nonfinite:
+                logger.warning(
+                    "KVTailConnector: request %s: the loaded KV's stale tail held %d non-finite "
+                    "value(s) (%d non-zero bytes); zeroing them before any read",
+                    req_id,
+                    nonfinite,
+                    nonzero,
+                )
+
+
+def _slots(cache: Any) -> int:
+    return int(cache.slots_per_page if hasattr(cache, "regions") else cache.shape[2])
+
+
+def _slot_bytes(cache: Any) -> int:
+    if hasattr(cache, "regions"):
+        return sum(r.slot_bytes for r in cache.regions)
+    return int(cache.shape[1] * cache.shape[3] * cache.element_size())

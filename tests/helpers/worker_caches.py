@@ -1,0 +1,63 @@
+"""Per-layer KV views for a worker connector, made with vLLM's own view helpers.
+
+Each attention group gets its own backing buffer (vLLM overlays groups in one
+buffer; the tests here check one group's bytes at a time), poisoned with a
+sentinel so untouched bytes are recognisable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+POISON = float("nan")
+
+
+@dataclass
+class WorkerCaches:
+    views: dict[str, torch.Tensor]  # layer name -> [B, H, N, C]
+    raw: dict[int, torch.Tensor]  # group id -> int8 backing
+
+
+def allocate(
+    kv_cache_config: KVCacheConfig,
+    layout: KVCacheLayout = KVCacheLayout.LBHNC,
+    kernel_block_sizes: dict[int, int] | None = None,
+) -> WorkerCaches:
+    views: dict[str, torch.Tensor] = {}
+    raws: dict[int, torch.Tensor] = {}
+    num_blocks = kv_cache_config.num_blocks
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            continue
+        layers = list(group.layer_names)
+        layer_stride, block_stride, *_ = compute_layout_strides(
+            spec, num_blocks, len(layers), layout
+        )
+        tensor = KVCacheTensor(
+            size=0, layers=layers, layer_stride=layer_stride, block_stride=block_stride
+        )
+        raw = torch.zeros(len(layers) * num_blocks * spec.page_size_bytes, dtype=torch.int8)
+        kbs = (kernel_block_sizes or {}).get(gid)
+        for name, view in zip(
+            layers,
+            create_kv_cache_views(raw, spec, num_blocks, layout, tensor, kernel_block_size=kbs),
+            strict=True,
+        ):
+            if view.dtype.is_floating_point:
+                view.fill_(POISON)
+            else:
+                view.fill_(0x7F)
+            views[name] = view
+        raws[gid] = raw
+    return WorkerCaches(views, raws)

@@ -1,0 +1,384 @@
+"""The wrapper around an async-loading connector, on a real vLLM Scheduler.
+
+The inner connector is a transport double (tests/helpers/async_double.py),
+registered through vLLM's KVConnectorFactory; the wrapper, the scheduler and
+the worker-side zeroing are real. The "transport" is simulated by writing the
+loaded tokens into the worker's KV views (made with vLLM's own view helpers,
+poisoned with NaN) before the load completes; after completion the tail must
+be zero, the loaded tokens intact, and every other byte untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvtail_connector import dcp_local_valid_slots  # noqa: E402
+from kvtail_connector.connector import KVTailConnector  # noqa: E402
+from kvtail_connector.kvgroups import group_infos  # noqa: E402
+from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
+from kvtail_connector.stats import KVTailStats  # noqa: E402
+from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
+from tests.helpers import async_double  # noqa: E402
+from tests.helpers.vllm_factories import (  # noqa: E402
+    assert_scheduler_empty,
+    make_hybrid_mamba_kv_cache_config,
+    make_kv_cache_config,
+    make_mixed_precision_kv_cache_config,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    make_worker_connector,
+    run_step,
+)
+from tests.helpers.worker_caches import allocate  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+
+BLOCK = 16
+LOADED = 1.0  # what the simulated transport writes
+
+
+class Harness:
+    """A real scheduler and worker, both running KVTailConnector."""
+
+    def __init__(self, zero_tails: str = "always", kv_cache_config: Any = None, **kw: Any):
+        extra = {
+            "backend": "AsyncLoadDouble",
+            "backend_module_path": async_double.MODULE_PATH,
+            "zero_tails": zero_tails,
+            "backend_extra_config": kw.pop("backend_extra_config", {}),
+        }
+        kw.setdefault("kv_load_failure_policy", "recompute")
+        self.vllm_config = make_vllm_config(
+            kv_connector="KVTailConnector",
+            kv_connector_module_path="kvtail_connector",
+            kv_connector_extra_config=extra,
+            **kw,
+        )
+        self.scheduler = make_scheduler(self.vllm_config, kv_cache_config)
+        self.kv_cache_config = self.scheduler.kv_cache_config
+        self.worker = make_worker_connector(self.vllm_config, self.kv_cache_config)
+        assert isinstance(self.scheduler.connector, KVTailConnector)
+        assert isinstance(self.worker, KVTailConnector)
+        self.caches = allocate(self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches.views)
+        self.metas: list[KVTailMetadata] = []
+        # What the worker reported through KVConnectorOutput, summed.
+        self.stats = KVTailStats()
+        report = self.worker.get_kv_connector_stats
+
+        def capture() -> Any:
+            stats = report()
+            if stats is not None:
+                self.stats.aggregate(KVTailStats.from_dict(stats.to_dict()))
+            return stats
+
+        self.worker.get_kv_connector_stats = capture  # type: ignore[method-assign]
+
+    @property
+    def inner_scheduler(self) -> Any:
+        return self.scheduler.connector.inner
+
+    def add(self, req_id: str, num_tokens: int, max_tokens: int = 4, **params: Any) -> Any:
+        request = make_request(
+            req_id,
+            num_tokens,
+            block_size=self.scheduler.hash_block_size,
+            kv_transfer_params=params or None,
+            max_tokens=max_tokens,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Any:
+        out, _ = run_step(self.scheduler, self.worker)
+        assert isinstance(out.kv_connector_metadata, KVTailMetadata)
+        self.metas.append(out.kv_connector_metadata)
+        return out
+
+    def land(self, req_id: str, group: int, num_local: int, num_loaded: int) -> None:
+        """The transport writes tokens [num_local, num_loaded) of ``req_id``."""
+        ids = self.inner_scheduler.blocks_by_req[req_id][group]
+        bs = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
+        for layer in self.kv_cache_config.kv_cache_groups[group].layer_names:
+            view = self.caches.views[layer]
+            for t in range(num_local, num_loaded):
+                view[ids[t // bs], :, t % bs, :] = LOADED
+
+    def finish(self, max_steps: int = 50) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                break
+            self.step()
+        else:
+            raise AssertionError("requests did not finish")
+        self.scheduler.schedule()
+        assert_scheduler_empty(self.scheduler)
+        assert self.worker.scheduler_state_is_empty(), "the worker kept load records"
+
+    def records(self) -> list[Any]:
+        return [r for m in self.metas for r in m.loads]
+
+
+def slot_state(view: torch.Tensor, block: int) -> list[str]:
+    """Per slot of a block: 'loaded', 'zero' or 'stale' (anything else)."""
+    out = []
+    for s in range(view.shape[2]):
+        slot = view[block, :, s, :]
+        if torch.all(slot == LOADED):
+            out.append("loaded")
+        elif torch.all(slot == 0):
+            out.append("zero")
+        else:
+            out.append("stale")
+    return out
+
+
+def test_tail_shipped_once_and_zeroed_at_completion():
+    h = Harness()
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()  # allocates, ships the record; the load is in flight
+    (record,) = h.records()
+    assert (record.req_id, record.num_local, record.num_loaded) == ("r1", 0, 70)
+    (load,) = record.groups
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    assert load.first_block == 0 and list(load.block_ids) == ids[:5]
+
+    h.land("r1", 0, 0, 70)
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    assert slot_state(view, ids[4]) == ["loaded"] * 6 + ["stale"] * 10
+    h.step()  # the double reports finished_recving: zeroed before returning
+    for layer in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
+        v = h.caches.views[layer]
+        assert slot_state(v, ids[4]) == ["loaded"] * 6 + ["zero"] * 10
+        for b in ids[:4]:
+            assert slot_state(v, b) == ["loaded"] * BLOCK
+    # Nothing outside the tail moved: every other block is still all NaN.
+    others = sorted(set(range(h.kv_cache_config.num_blocks)) - set(ids[:5]))
+    assert torch.isnan(view[others]).all()
+    h.finish()
+    assert len(h.records()) == 1  # shipped exactly once
+    slot_bytes = view.shape[1] * view.shape[3] * view.element_size()  # H x C
+    assert h.stats["tails_zeroed"] == 1
+    assert h.stats["tail_bytes_zeroed"] == 10 * 2 * slot_bytes  # 10 slots x 2 layers
+
+
+def test_block_aligned_load_zeroes_nothing():
+    h = Harness()
+    h.add("r1", 100, double_load_tokens=64)
+    h.step()
+    h.land("r1", 0, 0, 64)
+    before = h.caches.raw[0].clone()
+    h.step()
+    assert torch.equal(h.caches.raw[0], before)
+    h.finish()
+
+
+def test_block_aligned_load_is_not_even_recorded_when_vllm_handles_failures():
+    # Mixed precision: vLLM zeroes new blocks and re-zeroes failed loads itself,
+    # so an aligned load leaves the wrapper nothing to do.
+    h = Harness("auto", make_mixed_precision_kv_cache_config(block_size=BLOCK, num_blocks=64))
+    assert h.kv_cache_config.needs_kv_cache_zeroing
+    h.add("r1", 100, double_load_tokens=64)
+    h.step()
+    assert h.records() == []
+    h.finish()
+
+
+def test_full_prompt_hit_uses_the_count_before_the_rewind():
+    h = Harness()
+    request = h.add("r1", 70, double_load_tokens=70)
+    h.step()
+    (record,) = h.records()
+    assert record.num_loaded == 70  # not 69: the forward rewrites slot 69 anyway
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    h.land("r1", 0, 0, 70)
+    h.step()
+    assert request.status == RequestStatus.RUNNING
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    assert slot_state(view, ids[4]) == ["loaded"] * 6 + ["zero"] * 10
+    h.finish()
+
+
+def test_hybrid_attention_group_only_with_its_coarser_block():
+    kv = make_hybrid_mamba_kv_cache_config(block_size=64, num_blocks=64)
+    h = Harness(
+        "auto",
+        kv,
+        block_size=64,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        prefix_match_unit=16,
+    )
+    assert h.kv_cache_config.needs_kv_cache_zeroing
+    assert h.scheduler.hash_block_size == 16 and h.scheduler.block_size == 64
+    h.add("r1", 120, double_load_tokens=100)
+    h.step()
+    (record,) = h.records()
+    assert [g.group for g in record.groups] == [0]  # the Mamba group has no tail
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    h.land("r1", 0, 0, 100)
+    h.step()
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    assert slot_state(view, ids[1]) == ["loaded"] * 36 + ["zero"] * 28
+    assert slot_state(view, ids[0]) == ["loaded"] * 64
+    h.finish()
+
+
+def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
+    kv = make_kv_cache_config(block_size=1536, num_blocks=8)
+    vllm_config = make_vllm_config(
+        kv_connector="KVTailConnector",
+        kv_connector_module_path="kvtail_connector",
+        kv_connector_extra_config={
+            "backend": "AsyncLoadDouble",
+            "backend_module_path": async_double.MODULE_PATH,
+            "zero_tails": "always",
+        },
+        block_size=1536,
+        dcp_size=8,
+        max_model_len=40_000,
+        max_num_batched_tokens=40_000,
+    )
+    scheduler = make_scheduler(vllm_config, kv)
+    assert scheduler.block_size == 12_288
+    scheduler.add_request(
+        make_request(
+            "r1",
+            20_000,
+            block_size=scheduler.hash_block_size,
+            kv_transfer_params={"double_load_tokens": 15_000, "double_finish_after_steps": 99},
+        )
+    )
+    meta = scheduler.schedule().kv_connector_metadata
+    (record,) = meta.loads
+    (load,) = record.groups
+    assert record.num_loaded == 15_000 and len(load.block_ids) == 2  # 15,000 / 12,288
+    tail_block = load.block_ids[1]
+
+    # Every DCP rank zeroes its own share: 15,000 - 12,288 = 2,712 valid tokens.
+    groups = group_infos(scheduler.kv_cache_config, 8)
+    assert groups[0].effective_block == 12_288
+    caches = allocate(scheduler.kv_cache_config)
+    for rank in range(8):
+        for view in caches.views.values():
+            view.fill_(float("nan"))
+        worker = TailWorker(
+            groups,
+            RankPlacement(rank, 8, 1),
+            zero_tails=True,
+            zero_failed_loads=False,
+            probe=False,
+            stats=KVTailStats(),
+        )
+        worker.register_kv_caches(caches.views, scheduler.kv_cache_config)
+        worker.bind(meta)
+        worker.on_transfer_results({"r1"}, set(), inner=None)
+        valid = dcp_local_valid_slots(2712, rank, 8, 1)
+        assert valid == 339  # 2,712 tokens dealt one by one to 8 ranks
+        view = next(iter(caches.views.values()))
+        page = view[tail_block]
+        assert torch.isnan(page[:, :valid]).all() and not page[:, valid:].any()
+        assert worker.num_tracked == 0
+    scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+
+
+def test_abort_while_in_flight_still_zeroes_once_and_leaks_nothing():
+    h = Harness()
+    h.add("r1", 80, double_load_tokens=75, double_finish_after_steps=3)
+    h.step()
+    h.land("r1", 0, 0, 75)
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    h.scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    h.step()
+    assert h.worker.inner.finished_req_ids_seen == {"r1"}
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    assert slot_state(view, ids[4])[11] == "stale"  # still in flight
+    h.step()  # finished_recving: zeroed, then vLLM frees the blocks
+    assert slot_state(view, ids[4]) == ["loaded"] * 11 + ["zero"] * 5
+    h.finish()
+
+
+def test_failed_load_zeroes_every_destination_block():
+    h = Harness()  # "always" on a uniform model: vLLM would not re-zero them
+    h.add("r1", 100, double_load_tokens=70, double_fail=True)
+    h.step()
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    for b in ids[:5]:
+        assert slot_state(view, b) == ["zero"] * BLOCK
+    assert h.stats["failed_loads"] == 1 and h.stats["tails_zeroed"] == 0
+    h.finish()
+
+
+def test_invalid_blocks_zero_from_the_first_invalid_block_on():
+    h = Harness()
+    h.add(
+        "r1",
+        100,
+        double_load_tokens=70,
+        double_invalid_block_indices=[2],
+        double_finish_after_steps=2,
+    )
+    h.step()
+    h.land("r1", 0, 0, 70)
+    h.step()
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    view = h.caches.views["model.layers.0.self_attn.attn"]
+    assert slot_state(view, ids[0]) == ["loaded"] * BLOCK  # before it: untouched
+    assert slot_state(view, ids[1]) == ["loaded"] * BLOCK
+    for b in ids[2:5]:
+        assert slot_state(view, b) == ["zero"] * BLOCK
+    h.finish()
+
+
+def test_failed_load_steps_aside_when_vllm_rezeroes():
+    h = Harness("auto", make_mixed_precision_kv_cache_config(block_size=BLOCK, num_blocks=64))
+    h.add("r1", 100, double_load_tokens=70, double_fail=True)
+    before = {g: raw.clone() for g, raw in h.caches.raw.items()}
+    h.step()
+    for g, raw in h.caches.raw.items():
+        assert torch.equal(raw, before[g])  # vLLM's record_blocks_for_zeroing does it
+    assert h.stats["failed_loads"] == 1 and h.stats["tail_bytes_zeroed"] == 0
+    h.finish()
+
+
+def test_preemption_after_the_load_ships_nothing_new_and_leaks_nothing():
+    h = Harness()
+    request = h.add("r1", 100, double_load_tokens=70, max_tokens=8)
+    h.step()
+    h.step()
+    assert request.status == RequestStatus.RUNNING
+    assert h.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert request.status == RequestStatus.PREEMPTED
+    h.finish()
+    assert len(h.records()) == 1  # the recompute is local: no new load, no new record
+    assert h.scheduler.connector.scheduler_state_is_empty()
+
+
+def test_tails_zeroed_in_one_call_for_several_requests():
+    h = Harness()
+    for i, n in enumerate((70, 45, 33)):
+        h.add(f"r{i}", 100, double_load_tokens=n, double_finish_after_steps=2)
+    h.step()
+    for i, n in enumerate((70, 45, 33)):
+        h.land(f"r{i}", 0, 0, n)
+    calls = []
+    zeroer = h.worker._worker._zeroer
+    original = zeroer.zero
+    zeroer.zero = lambda items, **kw: calls.append(np.array(items)) or original(items, **kw)
+    h.step()
+    assert len(calls) == 1 and len(calls[0]) == 3  # one launch; both layers in one set
+    view = h.caches.views["model.layers.1.self_attn.attn"]
+    for i, n in enumerate((70, 45, 33)):
+        b = h.inner_scheduler.blocks_by_req[f"r{i}"][0][n // BLOCK]
+        assert slot_state(view, b) == ["loaded"] * (n % BLOCK) + ["zero"] * (BLOCK - n % BLOCK)
+    h.finish()
