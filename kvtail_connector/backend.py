@@ -54,7 +54,9 @@ def resolve_backend_class(cfg: KVTailConfig, inner_ktc: Any) -> type[KVConnector
     try:
         return cast("type[KVConnectorBase_V1]", KVConnectorFactory.get_connector_class(inner_ktc))
     except ImportError as e:
-        if cfg.backend_module_path is not None and cfg.backend_module_path in str(e):
+        missing = getattr(e, "name", None) or ""
+        path = cfg.backend_module_path
+        if path is not None and missing and (path == missing or path.startswith(missing + ".")):
             raise ValueError(
                 f"{PREFIX}.backend_module_path: cannot import {cfg.backend_module_path!r} "
                 f"({e}); check the module path and that it is installed"

@@ -22,12 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
     supports_hma,
 )
-from vllm.logger import init_logger
 
 from kvtail_connector import _compat, backend
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connectors import adapter_for
 from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.prom import KVTailPromMetrics
 from kvtail_connector.scheduler import TailScheduler
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 def _parse(kv_transfer_config: Any) -> KVTailConfig:
@@ -357,7 +357,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.config.kv_transfer import KVTransferConfig
 
         cfg = KVTailConfig.from_extra_config(extra_config)
+        # Only the class matters here; vLLM passes no role to this classmethod.
         ktc = KVTransferConfig(
+            kv_role="kv_both",
             kv_connector=cfg.backend,
             kv_connector_module_path=cfg.backend_module_path,
             kv_connector_extra_config=dict(cfg.backend_extra_config),

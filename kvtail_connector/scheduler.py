@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.logger import init_logger
-
 from kvtail_connector import _compat
 from kvtail_connector.connectors import BackendAdapter
 from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.stats import KVTailStats
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class TailScheduler:

@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.layout import CacheSet, cache_sets
+from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)

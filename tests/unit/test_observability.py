@@ -1,0 +1,154 @@
+"""Stats, Prometheus metrics and the stale-tail probe."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvtail_connector.connector import KVTailConnector  # noqa: E402
+from kvtail_connector.kvgroups import group_infos  # noqa: E402
+from kvtail_connector.log import PARENT  # noqa: E402
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.stats import COUNTERS, KVTailStats  # noqa: E402
+from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
+from tests.helpers.worker_caches import allocate  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+
+
+def registry_metric_types(registry):
+    def bound(cls):
+        class Bound(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Bound
+
+    return {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+
+
+def test_stats_round_trip_msgspec_and_aggregate():
+    a, b = KVTailStats(), KVTailStats()
+    for i, name in enumerate(COUNTERS):
+        a.add(name, i + 1)
+        b.add(name, 10 * (i + 1))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(a.to_dict()))
+    rebuilt = KVTailStats.from_dict(wire)
+    assert rebuilt.to_dict() == a.to_dict()
+    total = rebuilt.aggregate(KVTailStats.from_dict(b.to_dict()))
+    assert all(total[name] == 11 * (i + 1) for i, name in enumerate(COUNTERS))
+    assert total.reduce()["kvtail_tails_zeroed"] == 11
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty()
+
+
+def test_prometheus_counters_register_with_vllm_labels_and_observe():
+    registry = CollectorRegistry()
+    vllm_config = make_vllm_config(
+        kv_connector="KVTailConnector",
+        kv_connector_module_path="kvtail_connector",
+        kv_connector_extra_config={"backend": "NixlConnector"},
+    )
+    labelnames = ["model_name", "engine"]
+    prom = KVTailConnector.build_prom_metrics(
+        vllm_config,
+        registry_metric_types(registry),
+        labelnames,
+        {0: ["tiny", "0"], 1: ["tiny", "1"]},
+    )
+    stats = KVTailStats()
+    stats.add("tails_zeroed", 3)
+    stats.add("tail_bytes_zeroed", 1536)
+    stats.add("read_blocks_exempted", 2)
+    prom.observe(stats.to_dict(), engine_idx=1)
+    labels = {"model_name": "tiny", "engine": "1"}
+    assert registry.get_sample_value("vllm:kvtail_tails_zeroed_total", labels) == 3
+    assert registry.get_sample_value("vllm:kvtail_tail_bytes_zeroed_total", labels) == 1536
+    assert registry.get_sample_value("vllm:kvtail_read_blocks_exempted_total", labels) == 2
+    assert (
+        registry.get_sample_value(
+            "vllm:kvtail_tails_zeroed_total", {"model_name": "tiny", "engine": "0"}
+        )
+        == 0
+    )
+    # The inner connector's metrics (NIXL) registered beside ours.
+    names = {m.name for m in registry.collect()}
+    assert any(n.startswith("vllm:nixl") for n in names)
+
+
+def _worker_with_poisoned_tail(probe: bool):
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    groups = group_infos(kv, 1)
+    stats = KVTailStats()
+    worker = TailWorker(
+        groups, RankPlacement(), zero_tails=True, zero_failed_loads=False, probe=probe, stats=stats
+    )
+    worker.register_kv_caches(caches.views, kv)
+    for view in caches.views.values():
+        view.zero_()
+        view[3, :, :5, :] = 1.0  # 5 loaded slots of block 3
+        view[3, 0, 5:9, 0] = float("nan")  # 4 stale NaN values
+        view[3, 0, 9:, 1] = 2.0  # 7 stale finite non-zero values
+    record = LoadRecord("req-7", 0, 16 * 3 + 5, (GroupLoad(0, 0, (0, 1, 2, 3)),))
+    worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
+    return worker, caches, stats
+
+
+def test_probe_counts_the_nan_bytes_of_a_poisoned_tail_exactly(caplog):
+    worker, caches, stats = _worker_with_poisoned_tail(probe=True)
+    view = next(iter(caches.views.values()))
+    el = view.element_size()
+    logging.getLogger(PARENT).addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=PARENT):
+            worker.on_transfer_results({"req-7"}, set(), inner=None)
+    finally:
+        logging.getLogger(PARENT).removeHandler(caplog.handler)
+    layers = len(caches.views)
+    assert stats["stale_nonfinite_values"] == 4 * layers
+    # Non-zero bytes of one fp32 NaN (0x7FC00000) and of 2.0 (0x40000000).
+    assert el == 4
+    nan_bytes = int(torch.tensor([float("nan")]).view(torch.uint8).count_nonzero())
+    two_bytes = int(torch.tensor([2.0]).view(torch.uint8).count_nonzero())
+    assert (nan_bytes, two_bytes) == (2, 1)
+    assert stats["stale_nonzero_bytes"] == (4 * nan_bytes + 7 * two_bytes) * layers
+    assert stats["probed_tails"] == 1
+    assert any("req-7" in r.getMessage() and "non-finite" in r.getMessage() for r in caplog.records)
+    for v in caches.views.values():
+        assert not v[3, :, 5:].any() and torch.all(v[3, :, :5] == 1.0)
+
+
+def test_probe_off_counts_nothing():
+    worker, caches, stats = _worker_with_poisoned_tail(probe=False)
+    worker.on_transfer_results({"req-7"}, set(), inner=None)
+    assert stats["probed_tails"] == 0 and stats["stale_nonzero_bytes"] == 0
+    assert stats["tails_zeroed"] == 1
+    assert not np.isnan(next(iter(caches.views.values()))[3].numpy()).any()
+
+
+def test_scheduler_side_stats_are_reported_by_the_scheduler_connector():
+    vllm_config = make_vllm_config(
+        kv_connector="KVTailConnector",
+        kv_connector_module_path="kvtail_connector",
+        kv_connector_extra_config={"backend": "NixlConnector"},
+    )
+    wrapper = KVTailConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(block_size=16, num_blocks=8)
+    )
+    assert wrapper.get_kv_connector_stats() is None  # nothing yet: no empty payloads
+    wrapper._stats.add("read_blocks_exempted", 5)
+    stats = wrapper.get_kv_connector_stats()
+    assert isinstance(stats, KVTailStats) and stats["read_blocks_exempted"] == 5
+    assert wrapper.get_kv_connector_stats() is None  # counters restart after a report

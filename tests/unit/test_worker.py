@@ -1,0 +1,121 @@
+"""The worker side on CPU views laid out as vLLM allocates them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvtail_connector.kvgroups import group_infos  # noqa: E402
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
+from kvtail_connector.stats import KVTailStats  # noqa: E402
+from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
+from tests.helpers.layouts import rebase  # noqa: E402
+from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
+from tests.helpers.worker_caches import allocate  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+
+
+def make_worker(kv, **kw):
+    kw.setdefault("zero_tails", True)
+    kw.setdefault("zero_failed_loads", False)
+    return TailWorker(group_infos(kv, 1), RankPlacement(), probe=False, stats=KVTailStats(), **kw)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tails_byte_exact_in_every_layout(layout, dtype):
+    kv = make_kv_cache_config(block_size=16, num_blocks=8, dtype=dtype)
+    caches = allocate(kv, layout)
+    gen = torch.Generator().manual_seed(0)
+    for raw in caches.raw.values():
+        raw.copy_(torch.randint(-100, 100, raw.shape, dtype=torch.int8, generator=gen))
+    expected = {g: raw.clone() for g, raw in caches.raw.items()}
+    worker = make_worker(kv)
+    worker.register_kv_caches(caches.views, kv)
+    loads = (
+        LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # tail: block 7, 5 tokens
+        LoadRecord("b", 16, 49, (GroupLoad(0, 1, (1, 4, 6)),)),  # tail: block 6, 1 token
+        LoadRecord("c", 0, 32, (GroupLoad(0, 0, (3, 0)),)),  # block-aligned: nothing
+    )
+    worker.bind(KVTailMetadata(inner=None, loads=loads))  # type: ignore[arg-type]
+    worker.on_transfer_results({"a", "b", "c"}, set(), inner=None)
+    views = rebase(list(caches.views.values()), expected[0])
+    reference_zero_kv_blocks(views, (), [(7, 5), (6, 1)])
+    assert torch.equal(caches.raw[0], expected[0])
+    assert worker.num_tracked == 0
+
+
+def test_null_tail_block_is_skipped():
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    before = caches.raw[0].clone()
+    worker = make_worker(kv)
+    worker.register_kv_caches(caches.views, kv)
+    record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, NULL_BLOCK)),))
+    worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
+    worker.on_transfer_results({"a"}, set(), inner=None)
+    assert torch.equal(caches.raw[0], before)
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: records how the fence used it."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.calls = done, []
+
+    def query(self) -> bool:
+        self.calls.append("query")
+        return self.done
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+        self.done = True
+
+
+@pytest.mark.parametrize(("done", "calls"), [(True, ["query"]), (False, ["query", "synchronize"])])
+def test_fence_waits_for_earlier_zeroing_only_when_pending(done, calls):
+    worker = make_worker(make_kv_cache_config(block_size=16, num_blocks=8))
+    worker.fence()  # nothing zeroed yet (and always so on CPU): no wait
+    event = _Event(done)
+    worker._last_zeroing = event  # what a CUDA zeroing launch records
+    worker.fence()
+    assert event.calls == calls
+
+
+def test_start_load_kv_fences_before_the_inner_load():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.unit.test_forwarding import build
+
+    wrapper, inner, _ = build(KVConnectorRole.WORKER)
+    order = []
+    event = _Event(False)
+    event.synchronize = lambda: order.append("fence")  # type: ignore[method-assign]
+    wrapper._worker._last_zeroing = event
+    original = inner.start_load_kv
+    inner.start_load_kv = lambda *a, **k: (order.append("inner"), original(*a, **k))
+    wrapper.start_load_kv(None)
+    assert order == ["fence", "inner"]
+
+
+def test_package_imports_with_torch_only():
+    # A CPU box with none of the optional backends (and no vLLM, no Triton).
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['triton'] = None\n"
+        "import torch, kvtail_connector as k\n"
+        "t = torch.ones(4, 1, 4, 2)\n"
+        "k.zero_kv_blocks([t], [1], [(2, 3)])\n"
+        "assert t[1].sum() == 0 and t[2, :, 3].sum() == 0 and t[2, :, :3].sum() == 6\n"
+        "print(k.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip()
