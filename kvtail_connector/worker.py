@@ -22,6 +22,7 @@ from kvtail_connector.layout import CacheSet, cache_sets
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
+from kvtail_connector.ops.zeroer import Encoded
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot
@@ -36,6 +37,26 @@ class RankPlacement:
     dcp_rank: int = 0
     dcp_world_size: int = 1
     interleave: int = 1
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One request's items, encoded for the kernel, with the bytes they zero."""
+
+    owner: str
+    items: Encoded
+    nbytes: int
+
+    def owned_by(self, owner: str) -> _Batch:
+        return _Batch(owner, self.items, self.nbytes)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A load in flight: its record and its tails, encoded when it arrived."""
+
+    record: LoadRecord
+    tails: _Batch
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,9 @@ class TailWorker:
         self._zeroer: KVZeroer | None = None
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
-        self._loads: dict[str, LoadRecord] = {}
+        self._loads: dict[str, _Pending] = {}
+        self._set_slot_bytes = np.zeros(0, dtype=np.int64)
+        self._set_slots = np.zeros(0, dtype=np.int64)
         self._read_loads: list[LoadRecord] = []
         # Invalid block ids seen for loads still in flight, and ids fetched
         # from the inner connector early that the runner has not collected.
@@ -102,6 +125,13 @@ class TailWorker:
         self._sets_of_group = {}
         for i, s in enumerate(self._sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
+        # Per cache set: bytes of one slot summed over its caches, and P * N.
+        self._set_slot_bytes = np.array(
+            [sum(_slot_bytes(c) for c in s.caches) for s in self._sets], dtype=np.int64
+        )
+        self._set_slots = np.array(
+            [s.pages_per_block * _slots(s.caches[0]) for s in self._sets], dtype=np.int64
+        )
         self._zeroer.warmup()
         logger.info(
             "KVTailConnector: zeroing tails on %s (%s backend%s): %d layer(s) in %d set(s), "
@@ -124,8 +154,10 @@ class TailWorker:
         self._zeroer = getattr(self, "_saved", None)
 
     def bind(self, meta: KVTailMetadata) -> None:
+        """Keep this step's new loads, their tails encoded for the launch now,
+        so completion costs a concatenation and a launch."""
         for record in meta.loads:
-            self._loads[record.req_id] = record
+            self._loads[record.req_id] = _Pending(record, self._encode(self._tail_items(record)))
         self._read_loads.extend(meta.read_loads)
 
     def fence(self) -> None:
@@ -168,56 +200,58 @@ class TailWorker:
             self._reported_errors |= fresh
             self._load_errors |= fresh
         failed = set(failed_recving)
-        done = [r for r in (self._loads.pop(req, None) for req in finished_recving) if r]
+        done = [p for p in (self._loads.pop(req, None) for req in finished_recving) if p]
         if not done:
             return
-        items: list[tuple[int, int, int]] = []
-        owners: list[str] = []
-        for record in done:
-            start = len(items)
+        batches: list[_Batch] = []
+        for pending in done:
+            record = pending.record
             invalid = self._first_invalid(record)
             if record.req_id in failed or invalid is not None:
                 self._stats.add("failed_loads")
                 if self._zero_failed:
-                    items.extend(self._failed_items(record, invalid))
-            elif self._zero_tails:
-                items.extend(self._tail_items(record))
-                self._stats.add("tails_zeroed", len(items) - start)
-            owners.extend([record.req_id] * (len(items) - start))
+                    batches.append(self._encode(self._failed_items(record, invalid), record.req_id))
+            elif self._zero_tails and pending.tails.items.num_items:
+                batches.append(pending.tails.owned_by(record.req_id))
+                self._stats.add("tails_zeroed", pending.tails.items.num_items)
         self._forget_errors()
-        self._zero(items, owners)
+        self._zero(batches)
 
     def zero_read_tails(self) -> None:
         """MoRIIO READ loads have landed (before the forward): zero their tails."""
         if not self._read_loads:
             return
         records, self._read_loads = self._read_loads, []
-        items: list[tuple[int, int, int]] = []
-        owners: list[str] = []
-        for record in records:
-            tails = self._tail_items(record)
-            items.extend(tails)
-            owners.extend([record.req_id] * len(tails))
-        self._stats.add("tails_zeroed", len(items))
-        self._zero(items, owners)
+        batches = [self._encode(self._tail_items(r), r.req_id) for r in records]
+        self._stats.add("tails_zeroed", sum(b.items.num_items for b in batches))
+        self._zero(batches)
 
     # -------------------------------------------------------------- helpers
 
-    def _zero(self, items: list[tuple[int, int, int]], owners: list[str]) -> None:
-        if not items or self._zeroer is None:
+    def _encode(self, items: list[tuple[int, int, int]], owner: str = "") -> _Batch:
+        array = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+        if self._zeroer is None:
+            return _Batch(owner, _EMPTY, 0)
+        encoded = self._zeroer.encode(array, validate=False)
+        live = encoded.items
+        nbytes = int(
+            (self._set_slot_bytes[live[:, 0]] * (self._set_slots[live[:, 0]] - live[:, 2])).sum()
+        )
+        return _Batch(owner, encoded, nbytes)
+
+    def _zero(self, batches: list[_Batch]) -> None:
+        batches = [b for b in batches if b.items.num_items]
+        if not batches or self._zeroer is None:
             return
-        array = np.asarray(items, dtype=np.int64)
         if self._probe:
-            self._report_probe(array, owners)
-        self._stats.add("tail_bytes_zeroed", self._bytes(array))
-        self._zeroer.zero(array, validate=False)
+            self._report_probe(batches)
+        self._stats.add("tail_bytes_zeroed", sum(b.nbytes for b in batches))
+        self._zeroer.zero_encoded([b.items for b in batches])
         if self._zeroer.device.type == "cuda":
             event = self._last_zeroing or torch.cuda.Event()
             event.record()
             self._last_zeroing = event
-        logger.debug(
-            "kvtail: zeroed %d tail item(s) for %d request(s)", len(items), len(set(owners))
-        )
+        logger.debug("kvtail: zeroed tails of %d request(s) in one launch", len(batches))
 
     def _tail_items(self, record: LoadRecord) -> list[tuple[int, int, int]]:
         items = []
@@ -244,7 +278,9 @@ class TailWorker:
 
     def _forget_errors(self) -> None:
         if self._load_errors:
-            pending = {b for r in self._loads.values() for g in r.groups for b in g.block_ids}
+            pending = {
+                b for p in self._loads.values() for g in p.record.groups for b in g.block_ids
+            }
             self._load_errors &= pending
 
     def _first_invalid(self, record: LoadRecord) -> tuple[int, int] | None:
@@ -271,16 +307,9 @@ class TailWorker:
                         items.append((s.index, block, 0))
         return items
 
-    def _bytes(self, items: np.ndarray) -> int:
-        total = 0
-        for set_index, _, first in items.tolist():
-            for cache in self._sets[set_index].caches:
-                total += _slot_bytes(cache) * max(
-                    0, self._sets[set_index].pages_per_block * _slots(cache) - first
-                )
-        return total
-
-    def _report_probe(self, items: np.ndarray, owners: list[str]) -> None:
+    def _report_probe(self, batches: list[_Batch]) -> None:
+        items = np.concatenate([b.items.items for b in batches])
+        owners = [b.owner for b in batches for _ in range(b.items.num_items)]
         found = probe_items(self._sets, items, owners)
         for req_id, (nonzero, nonfinite) in found.items():
             self._stats.add("probed_tails")
@@ -294,6 +323,11 @@ class TailWorker:
                     nonfinite,
                     nonzero,
                 )
+
+
+_EMPTY = Encoded(
+    np.zeros((0, 3), np.int64), np.zeros((0, 4), np.int64), np.zeros((0, 4), np.int64), 0, 0, 0, 0
+)
 
 
 def _slots(cache: Any) -> int:

@@ -59,6 +59,30 @@ def _row_table(rows: list[Row]) -> np.ndarray:
     return table
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """Items turned into kernel work lines (see :meth:`KVZeroer.encode`).
+
+    Attributes:
+        items: the live (group, block, first) items, for the torch path.
+        whole, tails: ``[k, ITEM_COLS]`` work lines of whole blocks / tails.
+        whole_rows, whole_chunks, tail_rows, tail_chunks: the largest row
+            count and chunk count among those lines (the kernel's header).
+    """
+
+    items: np.ndarray
+    whole: np.ndarray
+    tails: np.ndarray
+    whole_rows: int
+    whole_chunks: int
+    tail_rows: int
+    tail_chunks: int
+
+    @property
+    def num_items(self) -> int:
+        return int(self.items.shape[0])
+
+
 @dataclass
 class Prepared:
     """A staged launch: the work buffer is on the device; ``launch`` only enqueues it.
@@ -213,48 +237,74 @@ class KVZeroer:
         live = (items[:, 2] < self._any_slots[groups]) & (self._row_count[groups] > 0)
         return items if live.all() else items[live]
 
-    def _work(self, items: np.ndarray) -> tuple[np.ndarray, int]:
-        """The kernel's work buffer (header + items) and its number of work units."""
-        whole = items[:, 2] == 0
-        ordered = np.concatenate([items[whole], items[~whole]])
-        n_whole = int(whole.sum())
-        groups = ordered[:, 0]
-        slot = groups.copy()
-        slot[:n_whole] += self._n_groups
-        n = ordered.shape[0]
-        work = np.empty(L.HEADER + n * L.ITEM_COLS, dtype=np.int64)
-        table = work[L.HEADER :].reshape(n, L.ITEM_COLS)
-        table[:, 0] = ordered[:, 1]
-        table[:, 1] = ordered[:, 2]
-        table[:, 2] = self._row_start[slot]
-        counts = self._row_count[slot]
-        table[:, 3] = counts
-        spans = self._max_span[slot]
-        header = work[: L.HEADER]
-        header[:] = 0
-        units = 0
-        for kind, sel in ((0, slice(0, n_whole)), (3, slice(n_whole, n))):
-            k = sel.stop - sel.start
-            if k:
-                rows = int(counts[sel].max())
-                chunks = -(-int(spans[sel].max()) // L.BLOCK)
-                header[kind : kind + 3] = (k, rows, chunks)
-                units += k * rows * chunks
+    def encode(self, items: np.ndarray, *, validate: bool = True) -> Encoded:
+        """Turn items into kernel work lines once, ahead of the launch.
+
+        Callers that know their items before they must zero them (the worker,
+        when load records arrive) encode early, so the launch itself only
+        concatenates: see :meth:`zero_encoded`.
+        """
+        live = self._live(items, validate)
+        whole = live[:, 2] == 0
+        parts = []
+        for kind, sel in ((0, whole), (1, ~whole)):
+            chosen = live[sel]
+            slot = chosen[:, 0] + (self._n_groups if kind == 0 else 0)
+            lines = np.empty((chosen.shape[0], L.ITEM_COLS), dtype=np.int64)
+            lines[:, 0] = chosen[:, 1]
+            lines[:, 1] = chosen[:, 2]
+            lines[:, 2] = self._row_start[slot]
+            lines[:, 3] = self._row_count[slot]
+            rows = int(lines[:, 3].max()) if len(lines) else 0
+            chunks = -(-int(self._max_span[slot].max()) // L.BLOCK) if len(lines) else 0
+            parts.append((lines, rows, chunks))
+        (w, w_rows, w_chunks), (t, t_rows, t_chunks) = parts
+        return Encoded(live, w, t, w_rows, w_chunks, t_rows, t_chunks)
+
+    def _work(self, parts: Sequence[Encoded]) -> tuple[np.ndarray, int]:
+        """The kernel's work buffer (header + whole-block lines + tail lines)."""
+        if len(parts) == 1:
+            whole, tails = parts[0].whole, parts[0].tails
+        else:
+            whole = np.concatenate([p.whole for p in parts])
+            tails = np.concatenate([p.tails for p in parts])
+        n_whole, n_tail = len(whole), len(tails)
+        work = np.empty(L.HEADER + (n_whole + n_tail) * L.ITEM_COLS, dtype=np.int64)
+        w_rows = max(p.whole_rows for p in parts)
+        w_chunks = max(p.whole_chunks for p in parts)
+        t_rows = max(p.tail_rows for p in parts)
+        t_chunks = max(p.tail_chunks for p in parts)
+        work[: L.HEADER] = (n_whole, w_rows, w_chunks, n_tail, t_rows, t_chunks, 0, 0)
+        body = work[L.HEADER :].reshape(-1, L.ITEM_COLS)
+        body[:n_whole] = whole
+        body[n_whole:] = tails
+        units = n_whole * w_rows * w_chunks + n_tail * t_rows * t_chunks
         if units > L.MAX_UNITS:
             raise ValueError(
                 f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
             )
         return work, units
 
+    def zero_encoded(self, parts: Sequence[Encoded]) -> int:
+        """Zero everything ``parts`` describe, in one launch. Returns items zeroed."""
+        parts = [p for p in parts if p.num_items]
+        if not parts:
+            return 0
+        if self._launcher is None:
+            self._zero_torch(np.concatenate([p.items for p in parts]))
+        else:
+            self._launcher.run(*self._work(parts))
+        return sum(p.num_items for p in parts)
+
     def prepare(self, items: np.ndarray, *, validate: bool = True) -> Prepared | None:
         """Validate and stage ``items`` for one launch; None if nothing to zero."""
-        live = self._live(items, validate)
-        if live.shape[0] == 0:
+        encoded = self.encode(items, validate=validate)
+        if encoded.num_items == 0:
             return None
         if self._launcher is None:
-            return Prepared(self, live, None, 0)
-        work, units = self._work(live)
-        return Prepared(self, live, self._launcher.stage(work), units)
+            return Prepared(self, encoded.items, None, 0)
+        work, units = self._work([encoded])
+        return Prepared(self, encoded.items, self._launcher.stage(work), units)
 
     def zero(self, items: np.ndarray, *, validate: bool = True) -> int:
         """Zero slots ``[first, P*N)`` of each item's block in its group's caches.
@@ -267,14 +317,7 @@ class KVZeroer:
         Returns:
             Items zeroed (0 means nothing was launched).
         """
-        live = self._live(items, validate)
-        if live.shape[0] == 0:
-            return 0
-        if self._launcher is None:
-            self._zero_torch(live)
-        else:
-            self._launcher.run(*self._work(live))
-        return int(live.shape[0])
+        return self.zero_encoded([self.encode(items, validate=validate)])
 
     def _zero_torch(self, items: np.ndarray) -> None:
         groups = items[:, 0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -373,10 +372,11 @@ def test_tails_zeroed_in_one_call_for_several_requests():
         h.land(f"r{i}", 0, 0, n)
     calls = []
     zeroer = h.worker._worker._zeroer
-    original = zeroer.zero
-    zeroer.zero = lambda items, **kw: calls.append(np.array(items)) or original(items, **kw)
+    original = zeroer.zero_encoded
+    zeroer.zero_encoded = lambda parts: calls.append(list(parts)) or original(parts)
     h.step()
-    assert len(calls) == 1 and len(calls[0]) == 3  # one launch; both layers in one set
+    # One launch for the three requests (both layers are in one cache set).
+    assert len(calls) == 1 and sum(p.num_items for p in calls[0]) == 3
     view = h.caches.views["model.layers.1.self_attn.attn"]
     for i, n in enumerate((70, 45, 33)):
         b = h.inner_scheduler.blocks_by_req[f"r{i}"][0][n // BLOCK]
