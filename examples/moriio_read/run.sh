@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# MoRIIO in READ mode (ROCm) behind KVTailConnector: READ destinations are kept
+# out of vLLM's new-block zeroing for every group, READ tails are zeroed once
+# the READ landed (vLLM 0.33). Needs vLLM built for ROCm and amd-mori.
+#   MODEL=deepseek-ai/DeepSeek-V4-Flash examples/moriio_read/run.sh
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+MODEL=${MODEL:?set MODEL to the model to serve}
+trap 'kill 0' EXIT INT TERM
+
+HIP_VISIBLE_DEVICES=0 vllm serve "$MODEL" --port 8100 \
+  --kv-transfer-config "$(cat "$here/prefill.json")" &
+HIP_VISIBLE_DEVICES=1 vllm serve "$MODEL" --port 8200 \
+  --kv-transfer-config "$(cat "$here/decode.json")" &
+python "$here/../proxy.py" --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+  --port 8000 &
+wait

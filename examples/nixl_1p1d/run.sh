@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# 1 prefill + 1 decode vLLM server on one GPU host (GPU 0 and GPU 1), NIXL
+# behind KVTailConnector, and the example proxy in front.
+#   MODEL=Qwen/Qwen3-Next-80B-A3B-Instruct examples/nixl_1p1d/run.sh
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+MODEL=${MODEL:?set MODEL to the model to serve}
+trap 'kill 0' EXIT INT TERM
+
+CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_PORT=5600 \
+  vllm serve "$MODEL" --port 8100 --kv-transfer-config "$(cat "$here/prefill.json")" &
+CUDA_VISIBLE_DEVICES=1 VLLM_NIXL_SIDE_CHANNEL_PORT=5700 \
+  vllm serve "$MODEL" --port 8200 --kv-transfer-config "$(cat "$here/decode.json")" &
+python "$here/../proxy.py" --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+  --port 8000 &
+wait
