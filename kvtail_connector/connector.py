@@ -98,6 +98,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         groups = group_infos(kv_cache_config, dcp_world)
         has_mamba = bool(kv_cache_config.has_mamba_layers)
         self._stats = KVTailStats()
+        # MoRIIO READs land inside start_load_kv on 0.33 (zeroed right after);
+        # on 0.32 they land per layer inside the forward: a documented gap.
+        read_tails_at_start = adapter.sync_read and _compat.moriio_read_lands_in_start_load_kv()
+        self._read_tails_at_start = read_tails_at_start
         self._scheduler: TailScheduler | None = None
         self._worker: TailWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -106,6 +110,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 groups,
                 track_tails=zero,
                 track_failures=zero and not needs_zeroing,
+                track_read_tails=zero and read_tails_at_start,
                 # vLLM filters Mamba hybrids itself (attention group only).
                 exclude_reads=adapter.sync_read and needs_zeroing and not has_mamba,
                 adapter=adapter,
@@ -123,9 +128,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 zero_failed_loads=zero and not needs_zeroing,
                 probe=cfg.probe_stale_tails,
                 stats=self._stats,
-            )
-            self._read_tails_at_start = (
-                adapter.sync_read and _compat.moriio_read_lands_in_start_load_kv()
             )
         logger.info(
             "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "

@@ -30,6 +30,8 @@ class TailScheduler:
         track_tails: record loads for tail zeroing (``zero_tails`` resolved).
         track_failures: workers zero failed loads' blocks, so every load is
             recorded, block-aligned ones included.
+        track_read_tails: record synchronous READ loads, whose tails workers
+            zero once the READ has landed (MoRIIO READ on vLLM 0.33).
         exclude_reads: drop MoRIIO READ destinations from
             ``new_block_ids_to_zero`` (READ mode, zeroing on, no Mamba).
         adapter: what differs for this inner connector.
@@ -42,6 +44,7 @@ class TailScheduler:
         *,
         track_tails: bool,
         track_failures: bool,
+        track_read_tails: bool,
         exclude_reads: bool,
         adapter: BackendAdapter,
         stats: KVTailStats,
@@ -50,6 +53,7 @@ class TailScheduler:
         self._groups = groups
         self._track_tails = track_tails
         self._track_failures = track_failures
+        self._track_read_tails = track_read_tails
         self._exclude_reads = exclude_reads
         self._adapter = adapter
         self._stats = stats
@@ -79,8 +83,8 @@ class TailScheduler:
         local, load_async = matched
         if load_async and not self._track_tails:
             return
-        if not load_async and not (self._track_tails and self._adapter.sync_read):
-            return  # other sync loads complete before vLLM's own zeroing sees them
+        if not load_async and not self._track_read_tails:
+            return  # other sync loads land in blocks vLLM zeroed first
         record = self._record(request, blocks, local, local + num_external_tokens)
         if record is not None:
             (self._pending if load_async else self._pending_reads).append(record)
