@@ -1,0 +1,6 @@
+class KVConnectorMetadata:
+    pass
+
+
+class KVConnectorWorkerMetadata:
+    pass
