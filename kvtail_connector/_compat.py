@@ -69,9 +69,9 @@ def replace_transfer_config(config: Any, **changes: Any) -> Any:
     return dataclasses.replace(config, **changes)
 
 
-def is_null_block(block: Any) -> bool:
-    """vLLM's null block (sliding-window gaps): ``KVCacheBlock.is_null``."""
-    return bool(getattr(block, "is_null", False))
+# vLLM's null block (sliding-window gaps, skipped blocks) is the first block the
+# BlockPool hands out: block_id 0 in 0.32 and 0.33 (tests check it).
+NULL_BLOCK_ID = 0
 
 
 def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:

@@ -124,18 +124,10 @@ class TailScheduler:
             any_tail = any_tail or loaded % eb != 0
             first = local // eb
             last = -(-loaded // eb)  # one past the last block the load writes
-            ids = block_ids[gid][first:last]
-            group_blocks = blocks.blocks[gid][first:last]
-            entries.append(
-                GroupLoad(
-                    group=gid,
-                    first_block=first,
-                    block_ids=tuple(
-                        NULL_BLOCK if _compat.is_null_block(b) else int(i)
-                        for i, b in zip(ids, group_blocks, strict=True)
-                    ),
-                )
-            )
+            ids = tuple(block_ids[gid][first:last])
+            if _compat.NULL_BLOCK_ID in ids:  # sliding-window gaps: vLLM's null block
+                ids = tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
+            entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
         if not entries or not (any_tail or self._track_failures):
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))

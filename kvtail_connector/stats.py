@@ -55,9 +55,12 @@ class KVTailStats(KVConnectorStats):
     def __post_init__(self) -> None:
         for name in COUNTERS:
             self.data.setdefault(name, 0)
+        # Cheap emptiness for the per-step report (is_empty runs every step).
+        self._touched = any(int(self.data[name]) for name in COUNTERS)
 
     def add(self, counter: str, amount: int = 1) -> None:
         self.data[counter] = int(self.data[counter]) + int(amount)
+        self._touched = True
 
     def __getitem__(self, counter: str) -> int:
         return int(self.data[counter])
@@ -68,6 +71,7 @@ class KVTailStats(KVConnectorStats):
         snap.inner_stats = inner
         for name in COUNTERS:
             self.data[name] = 0
+        self._touched = False
         return snap
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +84,7 @@ class KVTailStats(KVConnectorStats):
     def reset(self) -> None:
         for name in COUNTERS:
             self.data[name] = 0
+        self._touched = False
         if self.inner_stats is not None:
             self.inner_stats.reset()
 
@@ -87,6 +92,7 @@ class KVTailStats(KVConnectorStats):
         assert isinstance(other, KVTailStats), "workers and scheduler run the same wrapper"
         for name in COUNTERS:
             self.data[name] = int(self.data[name]) + int(other.data[name])
+        self._touched = self._touched or other._touched
         if other.inner_stats is not None:
             self.inner_stats = (
                 other.inner_stats
@@ -102,8 +108,7 @@ class KVTailStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        ours = all(int(self.data[name]) == 0 for name in COUNTERS)
-        return ours and (self.inner_stats is None or self.inner_stats.is_empty())
+        return not self._touched and (self.inner_stats is None or self.inner_stats.is_empty())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVTailStats:

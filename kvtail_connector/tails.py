@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from kvtail_connector.ops.dcp import dcp_local_valid_slots
-
 
 def tail_block(num_loaded: int, effective_block: int) -> tuple[int, int] | None:
     """``(block index, valid tokens in it)`` of the partially loaded block, or
@@ -32,6 +30,10 @@ def first_stale_slot(
 ) -> int:
     """The first slot of this rank's page(s) that the load left unwritten.
 
+    The DCP count is :func:`~kvtail_connector.ops.dcp.dcp_local_valid_slots`
+    (validated there, inlined here: this runs per load on the hot path; the
+    tests check the two agree).
+
     Args:
         num_valid: valid tokens of the (DCP-virtual) block, ``0 <= n < eb``.
         dcp_rank, dcp_world_size, interleave: this rank's DCP placement
@@ -42,5 +44,12 @@ def first_stale_slot(
             holds stale bytes: states are counted with a floor. Fractions
             below 1 (several states per token) count exactly.
     """
-    local = dcp_local_valid_slots(num_valid, dcp_rank, dcp_world_size, interleave)
-    return int(Fraction(local) / Fraction(tokens_per_state))
+    turn = dcp_world_size * interleave
+    local = (num_valid // turn) * interleave + min(
+        max(num_valid % turn - dcp_rank * interleave, 0), interleave
+    )
+    if type(tokens_per_state) is int:
+        return local // tokens_per_state
+    # floor(local / tps), exact for Fractions, without Fraction arithmetic.
+    tps = Fraction(tokens_per_state)
+    return local * tps.denominator // tps.numerator

@@ -22,7 +22,7 @@ from kvtail_connector.layout import CacheSet, cache_sets
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
-from kvtail_connector.ops.zeroer import Encoded
+from kvtail_connector.ops.zeroer import Line
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot
@@ -40,15 +40,12 @@ class RankPlacement:
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """One request's items, encoded for the kernel, with the bytes they zero."""
+class _Zeroing:
+    """Kernel work lines for one request, and the bytes they zero."""
 
     owner: str
-    items: Encoded
+    lines: list[Line]
     nbytes: int
-
-    def owned_by(self, owner: str) -> _Batch:
-        return _Batch(owner, self.items, self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,7 @@ class _Pending:
     """A load in flight: its record and its tails, encoded when it arrived."""
 
     record: LoadRecord
-    tails: _Batch
+    tails: _Zeroing
 
 
 @dataclass(frozen=True)
@@ -98,8 +95,9 @@ class TailWorker:
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
         self._loads: dict[str, _Pending] = {}
-        self._set_slot_bytes = np.zeros(0, dtype=np.int64)
-        self._set_slots = np.zeros(0, dtype=np.int64)
+        # Per cache set: bytes of one slot over all its caches, and P * N.
+        self._set_slot_bytes: list[int] = []
+        self._set_slots: list[int] = []
         self._read_loads: list[LoadRecord] = []
         # Invalid block ids seen for loads still in flight, and ids fetched
         # from the inner connector early that the runner has not collected.
@@ -125,13 +123,9 @@ class TailWorker:
         self._sets_of_group = {}
         for i, s in enumerate(self._sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
-        # Per cache set: bytes of one slot summed over its caches, and P * N.
-        self._set_slot_bytes = np.array(
-            [sum(_slot_bytes(c) for c in s.caches) for s in self._sets], dtype=np.int64
-        )
-        self._set_slots = np.array(
-            [s.pages_per_block * _slots(s.caches[0]) for s in self._sets], dtype=np.int64
-        )
+        self._set_slot_bytes = [sum(_slot_bytes(c) for c in s.caches) for s in self._sets]
+        # A set is one group, page split and tokens_per_state: one slot count.
+        self._set_slots = [s.pages_per_block * _slots(s.caches[0]) for s in self._sets]
         self._zeroer.warmup()
         logger.info(
             "KVTailConnector: zeroing tails on %s (%s backend%s): %d layer(s) in %d set(s), "
@@ -157,7 +151,8 @@ class TailWorker:
         """Keep this step's new loads, their tails encoded for the launch now,
         so completion costs a concatenation and a launch."""
         for record in meta.loads:
-            self._loads[record.req_id] = _Pending(record, self._encode(self._tail_items(record)))
+            tails = self._zeroing(record.req_id, self._tail_items(record))
+            self._loads[record.req_id] = _Pending(record, tails)
         self._read_loads.extend(meta.read_loads)
 
     def fence(self) -> None:
@@ -203,17 +198,23 @@ class TailWorker:
         done = [p for p in (self._loads.pop(req, None) for req in finished_recving) if p]
         if not done:
             return
-        batches: list[_Batch] = []
+        batches: list[_Zeroing] = []
+        failures = tails = 0
         for pending in done:
             record = pending.record
-            invalid = self._first_invalid(record)
+            invalid = self._first_invalid(record) if self._load_errors else None
             if record.req_id in failed or invalid is not None:
-                self._stats.add("failed_loads")
+                failures += 1
                 if self._zero_failed:
-                    batches.append(self._encode(self._failed_items(record, invalid), record.req_id))
-            elif self._zero_tails and pending.tails.items.num_items:
-                batches.append(pending.tails.owned_by(record.req_id))
-                self._stats.add("tails_zeroed", pending.tails.items.num_items)
+                    items = self._failed_items(record, invalid)
+                    batches.append(self._zeroing(record.req_id, items))
+            elif self._zero_tails and pending.tails.lines:
+                batches.append(pending.tails)
+                tails += len(pending.tails.lines)
+        if failures:
+            self._stats.add("failed_loads", failures)
+        if tails:
+            self._stats.add("tails_zeroed", tails)
         self._forget_errors()
         self._zero(batches)
 
@@ -222,36 +223,41 @@ class TailWorker:
         if not self._read_loads:
             return
         records, self._read_loads = self._read_loads, []
-        batches = [self._encode(self._tail_items(r), r.req_id) for r in records]
-        self._stats.add("tails_zeroed", sum(b.items.num_items for b in batches))
+        batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
+        self._stats.add("tails_zeroed", sum(len(b.lines) for b in batches))
         self._zero(batches)
 
     # -------------------------------------------------------------- helpers
 
-    def _encode(self, items: list[tuple[int, int, int]], owner: str = "") -> _Batch:
-        array = np.asarray(items, dtype=np.int64).reshape(-1, 3)
-        if self._zeroer is None:
-            return _Batch(owner, _EMPTY, 0)
-        encoded = self._zeroer.encode(array, validate=False)
-        live = encoded.items
-        nbytes = int(
-            (self._set_slot_bytes[live[:, 0]] * (self._set_slots[live[:, 0]] - live[:, 2])).sum()
+    def _zeroing(self, owner: str, items: list[tuple[int, int, int]]) -> _Zeroing:
+        """Work lines for ``items`` (set index, block, first slot), built in
+        Python: a handful of items per request, where numpy costs more."""
+        zeroer = self._zeroer
+        if zeroer is None or not items:
+            return _Zeroing(owner, [], 0)
+        lines = [ln for ln in (zeroer.line(*item) for item in items) if ln is not None]
+        slot_bytes, slots = self._set_slot_bytes, self._set_slots
+        nbytes = sum(
+            slot_bytes[g] * (slots[g] - first) for g, _, first in (ln.item for ln in lines)
         )
-        return _Batch(owner, encoded, nbytes)
+        return _Zeroing(owner, lines, nbytes)
 
-    def _zero(self, batches: list[_Batch]) -> None:
-        batches = [b for b in batches if b.items.num_items]
-        if not batches or self._zeroer is None:
+    def _zero(self, batches: list[_Zeroing]) -> None:
+        zeroer = self._zeroer
+        if zeroer is None:
+            return
+        lines = [ln for b in batches for ln in b.lines]
+        if not lines:
             return
         if self._probe:
             self._report_probe(batches)
         self._stats.add("tail_bytes_zeroed", sum(b.nbytes for b in batches))
-        self._zeroer.zero_encoded([b.items for b in batches])
-        if self._zeroer.device.type == "cuda":
+        zeroer.zero_lines(lines)
+        if zeroer.device.type == "cuda":
             event = self._last_zeroing or torch.cuda.Event()
             event.record()
             self._last_zeroing = event
-        logger.debug("kvtail: zeroed tails of %d request(s) in one launch", len(batches))
+        logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
 
     def _tail_items(self, record: LoadRecord) -> list[tuple[int, int, int]]:
         items = []
@@ -307,9 +313,9 @@ class TailWorker:
                         items.append((s.index, block, 0))
         return items
 
-    def _report_probe(self, batches: list[_Batch]) -> None:
-        items = np.concatenate([b.items.items for b in batches])
-        owners = [b.owner for b in batches for _ in range(b.items.num_items)]
+    def _report_probe(self, batches: list[_Zeroing]) -> None:
+        items = np.array([ln.item for b in batches for ln in b.lines], dtype=np.int64)
+        owners = [b.owner for b in batches for _ in b.lines]
         found = probe_items(self._sets, items, owners)
         for req_id, (nonzero, nonfinite) in found.items():
             self._stats.add("probed_tails")
@@ -323,11 +329,6 @@ class TailWorker:
                     nonfinite,
                     nonzero,
                 )
-
-
-_EMPTY = Encoded(
-    np.zeros((0, 3), np.int64), np.zeros((0, 4), np.int64), np.zeros((0, 4), np.int64), 0, 0, 0, 0
-)
 
 
 def _slots(cache: Any) -> int:

@@ -7,9 +7,10 @@ CUDA, or one vectorized torch pass per group elsewhere.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -57,6 +58,15 @@ def _row_table(rows: list[Row]) -> np.ndarray:
             int(_vectorizable(r)),
         )
     return table
+
+
+class Line(NamedTuple):
+    """One item and its kernel work line (see :meth:`KVZeroer.line`)."""
+
+    item: tuple[int, int, int]  # group, block, first slot
+    work: tuple[int, int, int, int]  # block, first slot, first row, row count
+    rows: int
+    chunks: int
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,14 @@ class KVZeroer:
             dtype=np.int64,
         )
         self.num_rows = sum(len(rows) for rows in slot_rows)
+        # The same facts as Python ints, for line() (no numpy per item).
+        self._line_facts = [
+            (int(start), int(count), -(-int(span) // L.BLOCK))
+            for start, count, span in zip(
+                self._row_start, self._row_count, self._max_span, strict=True
+            )
+        ]
+        self._any_slots_list = [int(x) for x in self._any_slots]
         self._launcher: L.KernelLauncher | None = None
         if self.backend == "triton":
             table = torch.from_numpy(_row_table([r for rows in all_lists for r in rows]))
@@ -260,6 +278,43 @@ class KVZeroer:
             parts.append((lines, rows, chunks))
         (w, w_rows, w_chunks), (t, t_rows, t_chunks) = parts
         return Encoded(live, w, t, w_rows, w_chunks, t_rows, t_chunks)
+
+    def line(self, group: int, block: int, first: int) -> Line | None:
+        """One item as a kernel work line, built without numpy (for callers
+        that assemble items one at a time); None when nothing is left to zero.
+        The item is trusted: validate with :meth:`check_items` if it is not."""
+        if first >= self._any_slots_list[group]:
+            return None
+        start, count, chunks = self._line_facts[group + (self._n_groups if first == 0 else 0)]
+        if count == 0:
+            return None
+        return Line((group, block, first), (block, first, start, count), count, chunks)
+
+    def zero_lines(self, lines: Sequence[Line]) -> int:
+        """Zero the items of ``lines`` in one launch. Returns items zeroed."""
+        if not lines:
+            return 0
+        if self._launcher is None:
+            self._zero_torch(np.array([ln.item for ln in lines], dtype=np.int64))
+            return len(lines)
+        whole = [ln for ln in lines if ln.item[2] == 0]
+        tails = [ln for ln in lines if ln.item[2] != 0] if whole else lines
+        header = [len(whole), 0, 0, len(tails), 0, 0, 0, 0]
+        for offset, kind in ((0, whole), (3, tails)):
+            if kind:
+                header[offset + 1] = max(ln.rows for ln in kind)
+                header[offset + 2] = max(ln.chunks for ln in kind)
+        units = header[0] * header[1] * header[2] + header[3] * header[4] * header[5]
+        if units > L.MAX_UNITS:
+            raise ValueError(f"items: {units} work units exceed one launch; split the call")
+        rows = itertools.chain((header,), (ln.work for ln in whole), (ln.work for ln in tails))
+        work = np.fromiter(
+            itertools.chain.from_iterable(rows),
+            dtype=np.int64,
+            count=L.HEADER + L.ITEM_COLS * len(lines),
+        )
+        self._launcher.run(work, units)
+        return len(lines)
 
     def _work(self, parts: Sequence[Encoded]) -> tuple[np.ndarray, int]:
         """The kernel's work buffer (header + whole-block lines + tail lines)."""

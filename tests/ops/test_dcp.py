@@ -56,3 +56,24 @@ def test_dcp8_mla_case():
 def test_invalid_arguments_name_the_argument(args, match):
     with pytest.raises(ValueError, match=match):
         dcp_local_valid_slots(*args)
+
+
+def test_worker_inlined_count_matches_the_public_function():
+    from fractions import Fraction
+
+    from kvtail_connector.tails import first_stale_slot
+
+    for world, interleave in ((1, 1), (2, 1), (4, 3), (8, 1), (8, 16)):
+        for n in range(0, 200, 7):
+            for rank in range(world):
+                local = dcp_local_valid_slots(n, rank, world, interleave)
+                for tps in (1, 2, 4, Fraction(1, 2), Fraction(3, 2)):
+                    got = first_stale_slot(
+                        n,
+                        dcp_rank=rank,
+                        dcp_world_size=world,
+                        interleave=interleave,
+                        tokens_per_state=tps,
+                    )
+                    # floor(local / tps): a partially covered state is stale.
+                    assert got == int(Fraction(local) / Fraction(tps)), (n, rank, world, tps)

@@ -372,13 +372,22 @@ def test_tails_zeroed_in_one_call_for_several_requests():
         h.land(f"r{i}", 0, 0, n)
     calls = []
     zeroer = h.worker._worker._zeroer
-    original = zeroer.zero_encoded
-    zeroer.zero_encoded = lambda parts: calls.append(list(parts)) or original(parts)
+    original = zeroer.zero_lines
+    zeroer.zero_lines = lambda lines: calls.append(list(lines)) or original(lines)
     h.step()
     # One launch for the three requests (both layers are in one cache set).
-    assert len(calls) == 1 and sum(p.num_items for p in calls[0]) == 3
+    assert len(calls) == 1 and len(calls[0]) == 3
     view = h.caches.views["model.layers.1.self_attn.attn"]
     for i, n in enumerate((70, 45, 33)):
         b = h.inner_scheduler.blocks_by_req[f"r{i}"][0][n // BLOCK]
         assert slot_state(view, b) == ["loaded"] * (n % BLOCK) + ["zero"] * (BLOCK - n % BLOCK)
     h.finish()
+
+
+def test_vllm_null_block_is_block_zero():
+    # The scheduler side recognises null (skipped) blocks by this id.
+    from kvtail_connector import _compat
+
+    h = Harness()
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert pool.null_block.is_null and pool.null_block.block_id == _compat.NULL_BLOCK_ID
