@@ -127,6 +127,7 @@ def main() -> int:
     prepared = staged.prepare(items64)
     # What the worker holds at completion: one encoded batch per request.
     parts64 = [staged.encode(items64[i : i + 1], validate=False) for i in range(64)]
+    lines64 = [graphs.line(*map(int, item)) for item in items64]
     assert prepared is not None
     print()
     print("| host path | µs/call |")
@@ -147,6 +148,11 @@ def main() -> int:
         ("encode 64 tails (numpy)", lambda: staged.encode(items64, validate=False), 2000),
         ("work buffer from 64 encoded tails", lambda: staged._work(parts64), 2000),
         ("zero 64 pre-encoded tails, graph path", lambda: graphs.zero_encoded(parts64), 500),
+        (
+            "zero 64 tail lines (the worker's path), graph path",
+            lambda: graphs.zero_lines(lines64),
+            500,
+        ),
         ("launch only (staged, 64 tails)", prepared.launch, 1000),
         ("zero 64 tails, staged path", lambda: staged.zero(items64, validate=False), 500),
         ("zero 64 tails, graph path", lambda: graphs.zero(items64, validate=False), 500),
