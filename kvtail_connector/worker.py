@@ -253,10 +253,8 @@ class TailWorker:
             self._report_probe(batches)
         self._stats.add("tail_bytes_zeroed", sum(b.nbytes for b in batches))
         zeroer.zero_lines(lines)
-        if zeroer.device.type == "cuda":
-            event = self._last_zeroing or torch.cuda.Event()
-            event.record()
-            self._last_zeroing = event
+        # Recorded behind the launch by the zeroer: start_load_kv's fence.
+        self._last_zeroing = zeroer.last_launch_done
         logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
 
     def _tail_items(self, record: LoadRecord) -> list[tuple[int, int, int]]:

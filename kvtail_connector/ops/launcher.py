@@ -110,6 +110,9 @@ class KernelLauncher:
         self._compiled: _Compiled | None = None
         self._graphs: GraphSlots | None = None
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
+        # Recorded behind the latest launch (CUDA): what a fence waits for.
+        self.last_done: torch.cuda.Event | None = None
+        self._staged_done: torch.cuda.Event | None = None
 
     @property
     def uses_graphs(self) -> bool:
@@ -147,12 +150,16 @@ class KernelLauncher:
         if self._compiled is None:
             self._compiled = _Compiled(work, self.rows)
         self._compiled(grid, work, self.rows)
+        if self._staged_done is None:
+            self._staged_done = torch.cuda.Event()
+        self._staged_done.record()
+        self.last_done = self._staged_done
 
     def run(self, work: np.ndarray, units: int) -> None:
         """Zero what ``work`` describes: a graph replay if it fits, else stage + launch."""
         if self._use_graphs and self._graphs is None:
             self.warmup()
         if self._graphs is not None and work.size <= self._graphs.entries:
-            self._graphs.run(work)
+            self.last_done = self._graphs.run(work)
             return
         self.launch_staged(self.stage(work), units)

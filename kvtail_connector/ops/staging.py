@@ -108,8 +108,11 @@ class GraphSlots:
             done.record()
             self._slots.append(_Slot(host, host.numpy(), dev, graph, done))
 
-    def run(self, table: np.ndarray) -> None:
-        """Copy ``table`` (at most ``entries`` int64) into a free slot and replay it."""
+    def run(self, table: np.ndarray) -> torch.cuda.Event:
+        """Copy ``table`` (at most ``entries`` int64) into a free slot and replay it.
+
+        Returns the event recorded behind the replay (copy and launch).
+        """
         slot = self._slots[self._next]
         if not slot.done.query():
             slot.done.synchronize()
@@ -117,3 +120,4 @@ class GraphSlots:
         slot.graph.replay()
         slot.done.record()
         self._next = (self._next + 1) % len(self._slots)
+        return slot.done

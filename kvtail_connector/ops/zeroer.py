@@ -217,6 +217,11 @@ class KVZeroer:
         return int(self._max_first[group])
 
     @property
+    def last_launch_done(self) -> torch.cuda.Event | None:
+        """An event behind this zeroer's latest CUDA launch (None before any, or on CPU)."""
+        return self._launcher.last_done if self._launcher is not None else None
+
+    @property
     def uses_graphs(self) -> bool:
         return self._launcher is not None and self._launcher.uses_graphs
 

@@ -105,3 +105,25 @@ def test_warmup_compiles_without_touching_memory():
     KVZeroer([(backing.views, 1)]).warmup()
     torch.cuda.synchronize()
     assert torch.equal(backing.raw, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "staged"])
+def test_last_launch_done_is_recorded_behind_the_launch(use_graphs):
+    # The worker's start_load_kv fence waits on this event.
+    backing = make_backing(
+        "LBHNC", num_layers=2, num_pages=8, heads=2, slots=16, content=64, dtype=torch.float16
+    )
+    expected = backing.raw.clone()
+    reference_zero_kv_blocks(rebase(backing.views, expected), (), [(3, 5)])
+    dev = to_device(backing, "cuda")
+    zeroer = KVZeroer([(dev.views, 1)], use_graphs=use_graphs)
+    assert zeroer.last_launch_done is None
+    spin = torch.empty(1 << 28, device="cuda")
+    for _ in range(4):
+        spin.mul_(1.0)  # keep the stream busy so the event is still pending
+    zeroer.zero(np.array([[0, 3, 5]]))
+    event = zeroer.last_launch_done
+    assert event is not None
+    event.synchronize()  # no device-wide sync: the event alone orders the bytes
+    assert torch.equal(dev.raw.cpu(), expected)
