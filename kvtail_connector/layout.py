@@ -4,8 +4,9 @@
 backing buffer; groups overlay each other). Each attention group with tails
 becomes one or more cache sets: its layers' views with the kernel pages per
 manager block (``B // num_blocks``) and tokens per stored slot. Pages the
-``[B, H, N, C]`` view does not describe slot by slot (the DeepSeek indexer's
-values-then-scales pages) become :class:`RegionCache` s.
+``[B, H, N, C]`` view does not describe slot by slot become
+:class:`RegionCache` s: the DeepSeek indexer's values-then-scales pages, and
+vLLM's CPU attention pages (K transposed; see ``cpu_pages``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ from typing import Any
 
 import torch
 
+from kvtail_connector import cpu_pages
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.ops import RegionCache, indexer_cache
 
+# Attention backends whose pages are not slot-addressable through the view,
+# and whose layout this package does not learn (yet): refused at start-up.
+REFUSED_BACKENDS = {
+    "ROCM_ATTN": "which stores K x-packed ([H, D/x, N, x]) inside the view's C",
+}
 # Layer classes whose cache pages hold all values, then all scales (fp8).
 INDEXER_LAYER_CLASSES = frozenset({"DeepseekV32IndexerCache", "DeepseekV4IndexerCache"})
 # fp8 indexer slot: D fp8 values + D/128 fp32 scales (D + D/32 bytes).
@@ -59,7 +66,34 @@ def _is_indexer(spec: Any, layer_object: Any) -> bool:
     return type(layer_object).__name__ in INDEXER_LAYER_CLASSES
 
 
+def _backend_name(layer_object: Any) -> str | None:
+    backend = getattr(layer_object, "attn_backend", None)
+    get_name = getattr(backend, "get_name", None)
+    return str(get_name()) if callable(get_name) else None
+
+
 def _as_cache(layer: str, view: torch.Tensor, spec: Any, layer_object: Any) -> Any:
+    backend = _backend_name(layer_object)
+    if backend in REFUSED_BACKENDS:
+        raise ValueError(
+            f"KVTailConnector: layer {layer!r} uses the {backend} attention backend, "
+            f"{REFUSED_BACKENDS[backend]}; its tails cannot be zeroed exactly through "
+            'the [B, H, N, C] view. Use zero_tails: "off" (MoRIIO READ exclusion still '
+            "applies) or another attention backend."
+        )
+    if backend == cpu_pages.BACKEND_NAME:
+        isa = cpu_pages.layer_isa(layer_object)
+        if isa is None:
+            raise ValueError(
+                f"KVTailConnector: CPU_ATTN layer {layer!r} has no ISA set by vLLM's "
+                "metadata builder; cannot learn its page layout."
+            )
+        dtype = str(getattr(layer_object, "kv_cache_dtype", "auto"))
+        try:
+            regions = cpu_pages.cpu_attn_regions(view, isa, dtype)
+        except ValueError as e:
+            raise ValueError(f"KVTailConnector: layer {layer!r} (CPU_ATTN, {isa}): {e}") from e
+        return RegionCache(view, int(view.shape[2]), regions)
     if not _is_indexer(spec, layer_object):
         return view
     c_bytes = view.shape[-1] * view.element_size()

@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Enumerating outer dims per layer must stay a table, not an explosion.
@@ -308,3 +309,49 @@ def whole_block_rows(geoms: Sequence[CacheGeometry], pages_per_block: int) -> li
             start, end = lo, hi
         rows.append(Row(start, block_stride, end - start, end - start, 1, 0))
     return rows + list(dict.fromkeys(strided))
+
+
+def regions_from_owner(
+    owner: Sequence[int], n_slots: int, elem_bytes: int
+) -> tuple[PageRegion, ...]:
+    """Describe a page from its element -> slot map, exactly, or refuse.
+
+    ``owner[e]`` is the slot element ``e`` of one page belongs to (-1: to none,
+    e.g. padding). The page must be *affine*: every slot's elements are the
+    same runs as slot 0's, each shifted by a fixed stride per run. The result
+    is verified against the whole map.
+
+    Raises:
+        ValueError: the map is not a per-slot affine layout.
+    """
+    owned = np.asarray(owner, dtype=np.int64)
+    if owned.size == 0 or owned.max() >= n_slots:
+        raise ValueError("page layout: the element map names slots outside the page")
+    cuts = np.flatnonzero(np.diff(owned)) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [owned.size]])
+    runs_by_slot: list[list[tuple[int, int]]] = [[] for _ in range(n_slots)]
+    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        slot = int(owned[start])
+        if slot >= 0:
+            runs_by_slot[slot].append((start, end - start))
+    base = sorted(runs_by_slot[0])
+    regions = []
+    if n_slots > 1:
+        nxt = sorted(runs_by_slot[1])
+        if len(nxt) != len(base):
+            raise ValueError("page layout: slots 0 and 1 have different run structures")
+        for (a, length), (b, length1) in zip(base, nxt, strict=True):
+            if length != length1:
+                raise ValueError("page layout: a run changes length between slots")
+            regions.append(PageRegion(a * elem_bytes, length * elem_bytes, (b - a) * elem_bytes))
+    else:
+        regions = [PageRegion(a * elem_bytes, length * elem_bytes) for a, length in base]
+    for s in range(n_slots):
+        want = sorted(
+            (r.offset // elem_bytes + s * (r.stride // elem_bytes), r.slot_bytes // elem_bytes)
+            for r in regions
+        )
+        if sorted(runs_by_slot[s]) != want:
+            raise ValueError(f"page layout: slot {s} is not slot 0 shifted by fixed strides")
+    return tuple(regions)

@@ -377,6 +377,8 @@ class KVZeroer:
         Returns:
             Items zeroed (0 means nothing was launched).
         """
+        if len(items) == 0:
+            return 0  # launch nothing, and skip the numpy work too
         return self.zero_encoded([self.encode(items, validate=validate)])
 
     def _zero_torch(self, items: np.ndarray) -> None:
