@@ -10,6 +10,7 @@ time. Larger work goes through pinned staging and a direct launch.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -17,6 +18,10 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
+
+# ops must not import vLLM: a plain logger (vLLM's handler sees it when the
+# wrapper runs, through the ``vllm`` parent set in kvtail_connector.log).
+logger = logging.getLogger("vllm.kvtail.ops")
 
 # Units (int32 words or bytes) one work unit stores; one program per unit step.
 BLOCK = 2048
@@ -128,11 +133,19 @@ class KernelLauncher:
             self._compiled = _Compiled(empty, self.rows)
         if self._use_graphs and self._graphs is None:
             compiled = self._compiled
-            self._graphs = GraphSlots(
-                self.device,
-                HEADER + GRAPH_ITEMS * ITEM_COLS,
-                lambda work: compiled(self.programs, work, self.rows),
-            )
+            try:
+                self._graphs = GraphSlots(
+                    self.device,
+                    HEADER + GRAPH_ITEMS * ITEM_COLS,
+                    lambda work: compiled(self.programs, work, self.rows),
+                )
+            except RuntimeError as e:  # capture refused (e.g. another capture running)
+                logger.warning(
+                    "kvtail: CUDA graph capture of the zeroing launch failed (%s); "
+                    "launching directly instead (a few µs more host time per launch)",
+                    e,
+                )
+                self._use_graphs = False
         torch.cuda.current_stream().synchronize()
 
     def stage(self, work: np.ndarray) -> torch.Tensor:
