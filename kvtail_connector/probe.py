@@ -40,6 +40,20 @@ def _tail_bytes(
     return [view[b, j, :, s]]
 
 
+def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor) -> torch.Tensor:
+    """Region bytes reinterpreted as the cache's float dtype, where whole
+    elements (CPU_ATTN pages); mixed-type pages (indexer values and scales)
+    stay bytes and count no non-finite values."""
+    if not isinstance(cache, RegionCache):
+        return part
+    dtype = cache.tensor.dtype
+    el = cache.tensor.element_size()
+    whole = all(r.offset % el == 0 and r.slot_bytes % el == 0 for r in cache.regions)
+    if dtype.is_floating_point and whole:
+        return part.contiguous().view(dtype)
+    return part
+
+
 def _nonfinite(values: torch.Tensor) -> int:
     if values.dtype.is_floating_point:
         return int((~torch.isfinite(values.float())).sum())
@@ -69,6 +83,5 @@ def probe_items(
             ):
                 as_bytes = part.contiguous().view(torch.uint8)
                 counts[0] += int(as_bytes.count_nonzero())
-                if not isinstance(cache, RegionCache):
-                    counts[1] += _nonfinite(part)
+                counts[1] += _nonfinite(_as_values(cache, part))
     return {req: (c[0], c[1]) for req, c in found.items()}

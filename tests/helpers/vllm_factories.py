@@ -80,10 +80,12 @@ name and is not subject to that assert.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -170,6 +172,7 @@ _TINY_LLAMA: dict[str, Any] = {
 def tiny_model_dir() -> str:
     """A per-process dir holding only ``config.json`` (no weights, no tokenizer)."""
     path = tempfile.mkdtemp(prefix="kvtail-tiny-llama-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(_TINY_LLAMA, f)
     return path

@@ -77,3 +77,16 @@ def test_layout_recognises_cpu_attn_and_refuses_what_it_cannot_describe():
         _as_cache("l0", view, object(), _Layer("CPU_ATTN", isa=None))
     with pytest.raises(ValueError, match="ROCM_ATTN.*zero_tails"):
         _as_cache("l0", view, object(), _Layer("ROCM_ATTN"))
+
+
+def test_probe_counts_nonfinite_values_in_cpu_attn_pages():
+    import numpy as np
+
+    from kvtail_connector.layout import CacheSet
+    from kvtail_connector.probe import probe_items
+
+    view = torch.full((4, 2, 32, 64), float("nan"))
+    cache = RegionCache(view, 32, cpu_attn_regions(view, "vec"))
+    found = probe_items([CacheSet(0, 1, 1, [cache])], np.array([[0, 1, 13]]), ["req"])
+    # 19 stale slots x 2 heads x 64 values, each NaN with 2 non-zero bytes.
+    assert found == {"req": (19 * 2 * 64 * 2, 19 * 2 * 64)}

@@ -1,0 +1,18 @@
+"""The P/D demo (``python -m kvtail_connector.demo``) and the engine harness behind it.
+
+Two real vLLM CPU engines, each in its own process, move KV over NIXL or
+MooncakeStore on loopback; the harness can poison and inspect their KV slots.
+
+Modules, one concept each:
+
+* ``tiny_model``: tiny random-weight models built offline (Llama, two hybrids).
+* ``records``: the plain data crossing processes (engine config, results).
+* ``slots``: worker-side slot maps of CPU_ATTN pages; poison/inspect functions run
+  through ``LLM.collective_rpc``.
+* ``server``: the engine process (an ``LLM`` serving commands over a pipe).
+* ``engine``: the parent's handle on an engine process.
+* ``procs``: stopping everything on exit, Ctrl-C and SIGTERM; free ports.
+* ``mooncake``: a local ``mooncake_master``.
+* ``pd``: a prefill/decode pair, connector configs (plain and wrapped), one P/D request.
+* ``scenarios`` and ``report``: the demo's runs and its table; ``__main__``: the CLI.
+"""
