@@ -4,9 +4,10 @@
 test:
 	scripts/test
 
-# Runs the P/D demo on two CPU vLLM engines (needs the environment `make test` builds).
+# The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
+# itself up. Options: make demo ARGS="--backend mooncake" (or "--hybrid").
 demo:
-	scripts/demo
+	scripts/demo $(ARGS)
 
 # GPU only: the zeroing benchmark (see benchmarks/RESULTS.md).
 bench:
