@@ -53,7 +53,7 @@ class _Pending:
     """A load in flight: its record and its tails, encoded when it arrived."""
 
     record: LoadRecord
-    tails: _Zeroing
+    tails: _Zeroing | None  # None: no caches registered when it arrived
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,9 @@ class TailWorker:
         """Keep this step's new loads, their tails encoded for the launch now,
         so completion costs a concatenation and a launch."""
         for record in meta.loads:
-            tails = self._zeroing(record.req_id, self._tail_items(record))
+            # Without registered caches (profiling, sleep mode) the lines are
+            # built at completion instead.
+            tails = self._zeroing(record.req_id, self._tail_items(record)) if self._zeroer else None
             self._loads[record.req_id] = _Pending(record, tails)
         self._read_loads.extend(meta.read_loads)
 
@@ -208,9 +210,11 @@ class TailWorker:
                 if self._zero_failed:
                     items = self._failed_items(record, invalid)
                     batches.append(self._zeroing(record.req_id, items))
-            elif self._zero_tails and pending.tails.lines:
-                batches.append(pending.tails)
-                tails += len(pending.tails.lines)
+            elif self._zero_tails:
+                batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
+                if batch.lines:
+                    batches.append(batch)
+                    tails += len(batch.lines)
         if failures:
             self._stats.add("failed_loads", failures)
         if tails:

@@ -119,3 +119,20 @@ def test_package_imports_with_torch_only():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip()
+
+
+def test_load_bound_while_caches_were_unregistered_is_still_zeroed():
+    # Sleep mode (0.33) releases the KV memory: a record arriving then is
+    # turned into work lines at completion, once the caches are back.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    worker = make_worker(kv)
+    worker.register_kv_caches(caches.views, kv)
+    worker.unregister_kv_caches()
+    record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),))
+    worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
+    worker.restore_kv_caches()
+    expected = caches.raw[0].clone()
+    reference_zero_kv_blocks(rebase(list(caches.views.values()), expected), (), [(7, 5)])
+    worker.on_transfer_results({"a"}, set(), inner=None)
+    assert torch.equal(caches.raw[0], expected)
