@@ -27,7 +27,7 @@ from typing import Any
 
 from kvtail_connector.demo.procs import die_with_parent
 from kvtail_connector.demo.records import BASE_ENV, EngineConfig, GenResult, KVInfo
-from kvtail_connector.demo.slots import RPCS
+from kvtail_connector.demo.slots import RPCS, NoSlotMapError
 
 # The wrapper's Prometheus counters (vllm:kvtail_<name>), see kvtail_connector/prom.py.
 KVTAIL_METRIC_PREFIX = "vllm:kvtail_"
@@ -166,7 +166,7 @@ class EngineServer:
         ]
         try:
             layout = self.rpc("layout")
-        except NotImplementedError as e:  # not CPU_ATTN, or a quantized cache: no slot map
+        except NoSlotMapError as e:  # not CPU_ATTN, or a quantized cache: no slot map
             layout = {"error": str(e)}
         info = KVInfo(
             num_blocks=kcc.num_blocks,

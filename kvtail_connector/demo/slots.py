@@ -35,6 +35,11 @@ class AttnLayer:
     isa: str  # the CPU attention kernel family ("vec", "vec16", "amx", ...)
 
 
+class NoSlotMapError(ValueError):
+    """The demo cannot map this cache's bytes to token slots (not CPU_ATTN,
+    or a quantized cache): poisoning and inspection are unavailable for it."""
+
+
 def slot_owner(kv: Any, isa: str, kv_cache_dtype: str) -> Any:
     """Element -> slot map of one CPU_ATTN page, from the backend's own writer."""
     import torch
@@ -49,7 +54,7 @@ def slot_owner(kv: Any, isa: str, kv_cache_dtype: str) -> Any:
         torch.bfloat16,
         torch.float16,
     ):
-        raise NotImplementedError(f"slot map for KV cache dtype {kv_cache_dtype}/{kv.dtype}")
+        raise NoSlotMapError(f"slot map for KV cache dtype {kv_cache_dtype}/{kv.dtype}")
     scratch = torch.zeros((1, h, n, c), dtype=kv.dtype)
     k_cache, v_cache = scratch.view(1, h, 2 * n, c // 2).chunk(2, dim=2)
     ones = torch.ones((1, h, c // 2), dtype=kv.dtype)
@@ -92,7 +97,7 @@ def attn_layers(worker: Any) -> list[AttnLayer]:
             backend = getattr(layer, "attn_backend", None)
             backend_name = backend.get_name() if backend is not None else ""
             if backend_name != "CPU_ATTN" or kv.dim() != 4 or not kv[0].is_contiguous():
-                raise NotImplementedError(
+                raise NoSlotMapError(
                     f"{name}: backend {backend_name!r}, cache shape {tuple(kv.shape)}"
                 )
             owner = slot_owner(kv, str(layer.isa), kv_cache_dtype)
