@@ -52,18 +52,6 @@ def moriio_read_lands_in_start_load_kv() -> bool:
     return vllm_version() >= (0, 33)
 
 
-# Hooks of KVConnectorBase_V1 that only some supported releases define. The
-# wrapper forwards them where the base class has them.
-OPTIONAL_WORKER_HOOKS = ("unregister_kv_caches", "restore_kv_caches")  # 0.33
-OPTIONAL_CLASS_HOOKS = ("supports_sleep_mode",)  # 0.33
-
-
-def base_has(name: str) -> bool:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    return hasattr(KVConnectorBase_V1, name)
-
-
 def replace_transfer_config(config: Any, **changes: Any) -> Any:
     """A copy of a ``KVTransferConfig`` with ``changes`` (same in 0.32 and 0.33)."""
     return dataclasses.replace(config, **changes)

@@ -7,7 +7,6 @@ receive these plain values instead of re-reading vLLM's config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 
@@ -21,14 +20,12 @@ class GroupInfo:
             ring buffers, raw buffers or host-resident pools).
         block_size: tokens of one rank-local block.
         dcp_size: ranks a block's tokens are dealt to (1 when replicated).
-        tokens_per_state: tokens one stored slot covers (DeepSeek-V4 > 1).
     """
 
     group_id: int
     has_tails: bool
     block_size: int
     dcp_size: int
-    tokens_per_state: int | Fraction = 1
 
     @property
     def effective_block(self) -> int:
@@ -56,14 +53,12 @@ def group_infos(kv_cache_config: Any, dcp_world_size: int) -> tuple[GroupInfo, .
             and all(getattr(s, "has_layer_views", True) for s in specs)
         )
         sharded = attention and all(getattr(s, "dcp_sharded", False) for s in specs)
-        tps = {getattr(s, "tokens_per_state", 1) for s in specs} if attention else {1}
         infos.append(
             GroupInfo(
                 group_id=gid,
                 has_tails=has_tails,
                 block_size=int(group.kv_cache_spec.block_size),
                 dcp_size=dcp_world_size if sharded else 1,
-                tokens_per_state=tps.pop() if len(tps) == 1 else 1,
             )
         )
     return tuple(infos)

@@ -17,6 +17,7 @@ from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.stats import KVTailStats
+from kvtail_connector.tails import tail_block
 
 logger = get_logger(__name__)
 
@@ -121,7 +122,7 @@ class TailScheduler:
             if not info.has_tails:
                 continue
             eb = info.effective_block
-            any_tail = any_tail or loaded % eb != 0
+            any_tail = any_tail or tail_block(loaded, eb) is not None
             first = local // eb
             last = -(-loaded // eb)  # one past the last block the load writes
             ids = tuple(block_ids[gid][first:last])

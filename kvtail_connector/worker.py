@@ -25,7 +25,7 @@ from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.zeroer import Line
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.tails import first_stale_slot
+from kvtail_connector.tails import first_stale_slot, tail_block
 
 logger = get_logger(__name__)
 
@@ -265,9 +265,12 @@ class TailWorker:
         items = []
         for load in record.groups:
             info = self._groups[load.group]
-            k, n = divmod(record.num_loaded, info.effective_block)
+            tail = tail_block(record.num_loaded, info.effective_block)
+            if tail is None:
+                continue
+            k, n = tail
             idx = k - load.first_block
-            if n == 0 or not 0 <= idx < len(load.block_ids):
+            if not 0 <= idx < len(load.block_ids):
                 continue
             block = load.block_ids[idx]
             if block == NULL_BLOCK:

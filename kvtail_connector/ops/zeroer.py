@@ -60,6 +60,18 @@ def _row_table(rows: list[Row]) -> np.ndarray:
     return table
 
 
+def _header(
+    n_whole: int, w_rows: int, w_chunks: int, n_tail: int, t_rows: int, t_chunks: int
+) -> tuple[list[int], int]:
+    """The kernel's work header (see the kernel docstring) and its work units."""
+    units = n_whole * w_rows * w_chunks + n_tail * t_rows * t_chunks
+    if units > L.MAX_UNITS:
+        raise ValueError(
+            f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
+        )
+    return [n_whole, w_rows, w_chunks, n_tail, t_rows, t_chunks, 0, 0], units
+
+
 class Line(NamedTuple):
     """One item and its kernel work line (see :meth:`KVZeroer.line`)."""
 
@@ -304,14 +316,14 @@ class KVZeroer:
             return len(lines)
         whole = [ln for ln in lines if ln.item[2] == 0]
         tails = [ln for ln in lines if ln.item[2] != 0] if whole else lines
-        header = [len(whole), 0, 0, len(tails), 0, 0, 0, 0]
-        for offset, kind in ((0, whole), (3, tails)):
-            if kind:
-                header[offset + 1] = max(ln.rows for ln in kind)
-                header[offset + 2] = max(ln.chunks for ln in kind)
-        units = header[0] * header[1] * header[2] + header[3] * header[4] * header[5]
-        if units > L.MAX_UNITS:
-            raise ValueError(f"items: {units} work units exceed one launch; split the call")
+        header, units = _header(
+            len(whole),
+            max((ln.rows for ln in whole), default=0),
+            max((ln.chunks for ln in whole), default=0),
+            len(tails),
+            max((ln.rows for ln in tails), default=0),
+            max((ln.chunks for ln in tails), default=0),
+        )
         rows = itertools.chain((header,), (ln.work for ln in whole), (ln.work for ln in tails))
         work = np.fromiter(
             itertools.chain.from_iterable(rows),
@@ -328,21 +340,20 @@ class KVZeroer:
         else:
             whole = np.concatenate([p.whole for p in parts])
             tails = np.concatenate([p.tails for p in parts])
-        n_whole, n_tail = len(whole), len(tails)
-        work = np.empty(L.HEADER + (n_whole + n_tail) * L.ITEM_COLS, dtype=np.int64)
-        w_rows = max(p.whole_rows for p in parts)
-        w_chunks = max(p.whole_chunks for p in parts)
-        t_rows = max(p.tail_rows for p in parts)
-        t_chunks = max(p.tail_chunks for p in parts)
-        work[: L.HEADER] = (n_whole, w_rows, w_chunks, n_tail, t_rows, t_chunks, 0, 0)
+        n_whole = len(whole)
+        header, units = _header(
+            n_whole,
+            max(p.whole_rows for p in parts),
+            max(p.whole_chunks for p in parts),
+            len(tails),
+            max(p.tail_rows for p in parts),
+            max(p.tail_chunks for p in parts),
+        )
+        work = np.empty(L.HEADER + (n_whole + len(tails)) * L.ITEM_COLS, dtype=np.int64)
+        work[: L.HEADER] = header
         body = work[L.HEADER :].reshape(-1, L.ITEM_COLS)
         body[:n_whole] = whole
         body[n_whole:] = tails
-        units = n_whole * w_rows * w_chunks + n_tail * t_rows * t_chunks
-        if units > L.MAX_UNITS:
-            raise ValueError(
-                f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
-            )
         return work, units
 
     def zero_encoded(self, parts: Sequence[Encoded]) -> int:
