@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -71,18 +72,61 @@ def die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open while choosing)."""
-    socks = []
+# Ports this process has handed out: a port is never handed out twice, even after
+# its first owner closed it, so two engines started together cannot be given the same one.
+_HANDED_OUT: set[int] = set()
+_ports_lock = threading.Lock()
+_ports_rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+
+
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _listen_ports() -> range:
+    """Ports outside the kernel's ephemeral range. A port chosen from the ephemeral range
+    may be taken, between choosing and binding, by any ``bind(0)`` or outgoing connection
+    (an engine's gloo, ZMQ or HTTP sockets): that made a NIXL side channel fail with
+    "Address already in use". The kernel never hands out a port outside that range."""
+    lo, hi = _ephemeral_range()
+    if lo - 10_000 >= 2_000:
+        return range(10_000, lo)
+    return range(hi + 1, 65_536)
+
+
+def _bindable(port: int, host: str) -> bool:
+    # The wildcard address also catches a listener on any other local address.
+    for addr in {host, "0.0.0.0"}:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports to listen on: bindable now, outside the kernel's ephemeral
+    range, and never returned before by this process. The scan starts at a random port
+    so that two processes choosing at once rarely meet."""
+    pool = _listen_ports()
+    with _ports_lock:
+        start = _ports_rng.randrange(len(pool))
+        chosen: list[int] = []
+        for i in range(len(pool)):
+            port = pool[(start + i) % len(pool)]
+            if port in _HANDED_OUT or not _bindable(port, host):
+                continue
+            chosen.append(port)
+            if len(chosen) == n:
+                _HANDED_OUT.update(chosen)
+                return chosen
+    raise RuntimeError(f"no {n} free ports in {pool.start}-{pool.stop - 1} on {host}")
 
 
 def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
