@@ -43,13 +43,24 @@ def check_vllm_version() -> tuple[int, int]:
     return version
 
 
-def moriio_read_lands_in_start_load_kv() -> bool:
-    """MoRIIO READ loads complete inside ``start_load_kv`` (before the forward).
+def moriio_reads_landed_at_start(forward_context: Any) -> bool:
+    """Whether every MoRIIO READ of this step has landed when ``start_load_kv`` returns.
 
-    0.33 waits for every READ in ``start_load_kv``; 0.32 waits per layer in
-    ``wait_for_layer_load``, inside the forward.
+    0.33 waits for all of them there. 0.32 does only under FULL CUDA graphs,
+    where no host wait can run inside the graph; otherwise each attention
+    layer's READs land in that layer's ``wait_for_layer_load``, inside the forward.
     """
-    return vllm_version() >= (0, 33)
+    if vllm_version() >= (0, 33):
+        return True
+    from vllm.config import CUDAGraphMode
+
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return bool(mode == CUDAGraphMode.FULL)
+
+
+def moriio_reads_may_land_per_layer() -> bool:
+    """0.32: outside FULL CUDA graphs, MoRIIO READs land in ``wait_for_layer_load``."""
+    return vllm_version() < (0, 33)
 
 
 def replace_transfer_config(config: Any, **changes: Any) -> Any:

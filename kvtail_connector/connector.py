@@ -98,10 +98,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         groups = group_infos(kv_cache_config, dcp_world)
         has_mamba = bool(kv_cache_config.has_mamba_layers)
         self._stats = KVTailStats()
-        # MoRIIO READs land inside start_load_kv on 0.33 (zeroed right after);
-        # on 0.32 they land per layer inside the forward: a documented gap.
-        read_tails_at_start = adapter.sync_read and _compat.moriio_read_lands_in_start_load_kv()
-        self._read_tails_at_start = read_tails_at_start
+        # MoRIIO READ tails are zeroed once the READ has landed: after
+        # start_load_kv, or per layer after wait_for_layer_load (0.32).
+        self._sync_read = adapter.sync_read
         self._scheduler: TailScheduler | None = None
         self._worker: TailWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -110,7 +109,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 groups,
                 track_tails=zero,
                 track_failures=zero and not needs_zeroing,
-                track_read_tails=zero and read_tails_at_start,
+                track_read_tails=zero and adapter.sync_read,
                 # vLLM filters Mamba hybrids itself (attention group only).
                 exclude_reads=adapter.sync_read and needs_zeroing and not has_mamba,
                 adapter=adapter,
@@ -127,6 +126,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
                 zero_failed_loads=zero and not needs_zeroing,
                 probe=cfg.probe_stale_tails,
+                read_tails_by_layer=adapter.sync_read and _compat.moriio_reads_may_land_per_layer(),
                 stats=self._stats,
             )
         logger.info(
@@ -179,6 +179,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
+        if self._worker is not None and self._sync_read:
+            self._worker.end_step()
         self._inner.clear_connector_metadata()
         super().clear_connector_metadata()
 
@@ -217,11 +219,13 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.fence()
         self._inner.start_load_kv(forward_context, **kwargs)
-        if self._worker is not None and self._read_tails_at_start:
-            self._worker.zero_read_tails()
+        if self._worker is not None and self._sync_read:
+            self._worker.reads_started(_compat.moriio_reads_landed_at_start(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._inner.wait_for_layer_load(layer_name)
+        if self._worker is not None and self._sync_read:
+            self._worker.layer_loaded(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -145,3 +145,17 @@ def cache_sets(
             cs.caches.append(_as_cache(layer, view, spec, layer_objects.get(layer)))
             cs.layer_names.append(layer)
     return list(sets.values())
+
+
+def cache_slots(cache: torch.Tensor | RegionCache) -> int:
+    """Slots in one kernel page of ``cache``."""
+    if isinstance(cache, RegionCache):
+        return int(cache.slots_per_page)
+    return int(cache.shape[2])
+
+
+def cache_slot_bytes(cache: torch.Tensor | RegionCache) -> int:
+    """Bytes one slot takes in ``cache``, over all its heads and regions."""
+    if isinstance(cache, RegionCache):
+        return sum(r.slot_bytes for r in cache.regions)
+    return int(cache.shape[1] * cache.shape[3] * cache.element_size())

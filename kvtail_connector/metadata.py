@@ -58,7 +58,9 @@ class KVTailMetadata(KVConnectorMetadata):
     Attributes:
         inner: the wrapped connector's metadata, as it built it.
         loads: async loads started this step (tails zeroed on completion).
-        read_loads: synchronous MoRIIO READ loads (tails zeroed once landed).
+        read_loads: synchronous MoRIIO READ loads (tails zeroed once landed);
+            their ``num_loaded`` includes the tokens this step's forward
+            writes, where their stale tail starts.
         version: :data:`KVTAIL_PROTOCOL_VERSION` of the sender.
     """
 

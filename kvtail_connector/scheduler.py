@@ -32,7 +32,7 @@ class TailScheduler:
         track_failures: workers zero failed loads' blocks, so every load is
             recorded, block-aligned ones included.
         track_read_tails: record synchronous READ loads, whose tails workers
-            zero once the READ has landed (MoRIIO READ on vLLM 0.33).
+            zero once the READ has landed (MoRIIO READ).
         exclude_reads: drop MoRIIO READ destinations from
             ``new_block_ids_to_zero`` (READ mode, zeroing on, no Mamba).
         adapter: what differs for this inner connector.
@@ -62,7 +62,9 @@ class TailScheduler:
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
         self._matched: dict[str, tuple[int, bool]] = {}
         self._pending: list[LoadRecord] = []
-        self._pending_reads: list[LoadRecord] = []
+        # READ loads allocated this step: (request, blocks, local, loaded). Their
+        # records wait for build_connector_meta, which knows the step's tokens.
+        self._pending_reads: list[tuple[Any, Any, int, int]] = []
 
     # ----------------------------------------------------------------- hooks
 
@@ -84,27 +86,34 @@ class TailScheduler:
         local, load_async = matched
         if load_async and not self._track_tails:
             return
-        if not load_async and not self._track_read_tails:
+        if not load_async:
+            if self._track_read_tails:
+                self._pending_reads.append((request, blocks, local, local + num_external_tokens))
             return  # other sync loads land in blocks vLLM zeroed first
         record = self._record(request, blocks, local, local + num_external_tokens)
         if record is not None:
-            (self._pending if load_async else self._pending_reads).append(record)
+            self._pending.append(record)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
         inner_meta = self._inner.build_connector_meta(scheduler_output)
-        if self._exclude_reads and scheduler_output.new_block_ids_to_zero:
-            self._drop_read_destinations(scheduler_output, inner_meta)
-        meta = KVTailMetadata(
-            inner=inner_meta, loads=tuple(self._pending), read_loads=tuple(self._pending_reads)
-        )
-        if self._pending or self._pending_reads:
+        exclude = self._exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
+        read_loads: tuple[LoadRecord, ...] = ()
+        if exclude or self._pending_reads:
+            # request id -> every block its READ writes this step (all groups)
+            reads = {
+                req_id: {b for ids in per_group for b in ids}
+                for req_id, per_group in self._adapter.read_destinations(inner_meta)
+            }
+            if exclude:
+                self._drop_read_destinations(scheduler_output, reads)
+            if self._pending_reads:
+                read_loads = self._read_records(scheduler_output.num_scheduled_tokens, reads)
+        meta = KVTailMetadata(inner=inner_meta, loads=tuple(self._pending), read_loads=read_loads)
+        if self._pending or read_loads:
             logger.debug(
-                "kvtail: shipping %d load(s), %d READ load(s)",
-                len(self._pending),
-                len(self._pending_reads),
+                "kvtail: shipping %d load(s), %d READ load(s)", len(self._pending), len(read_loads)
             )
         self._pending.clear()
-        self._pending_reads.clear()
         return meta
 
     def request_finished(self, request: Any) -> None:
@@ -112,7 +121,42 @@ class TailScheduler:
 
     # ---------------------------------------------------------------- helpers
 
-    def _record(self, request: Any, blocks: Any, local: int, loaded: int) -> LoadRecord | None:
+    def _read_records(
+        self, num_scheduled: dict[str, int], reads: dict[str, set[int]]
+    ) -> tuple[LoadRecord, ...]:
+        """Records of this step's READ loads whose tail block the READ overwrites.
+
+        A READ copies whole producer blocks, the producer's tail included, and
+        this step's forward then writes the recomputed tokens: the stale tail
+        starts after those, so ``num_loaded`` counts them. (On 0.32 a layer's
+        READ can land after the backend wrote them, KV update before attention:
+        zeroing from the READ's own end would wipe them.) A tail block the READ
+        does not write was zeroed by vLLM, and 0.32's MoRIIO also "matches"
+        consumer requests with no remote prefill: neither gets a record.
+        """
+        records = []
+        for request, blocks, local, loaded in self._pending_reads:
+            dests = reads.get(request.request_id)
+            step = num_scheduled.get(request.request_id, 0)
+            if not dests or step <= 0:
+                continue
+            record = self._record(request, blocks, local, loaded + step, tails_only=True)
+            if record is not None and any(
+                load.block_ids[k - load.first_block] in dests
+                for load in record.groups
+                if (k := self._tail_index(record.num_loaded, load.group)) is not None
+            ):
+                records.append(record)
+        self._pending_reads.clear()
+        return tuple(records)
+
+    def _tail_index(self, num_loaded: int, group: int) -> int | None:
+        tail = tail_block(num_loaded, self._groups[group].effective_block)
+        return None if tail is None else tail[0]
+
+    def _record(
+        self, request: Any, blocks: Any, local: int, loaded: int, *, tails_only: bool = False
+    ) -> LoadRecord | None:
         block_ids = blocks.get_block_ids()
         loaded_groups = self._inner.get_loaded_kv_cache_group_ids(request)
         entries = []
@@ -129,20 +173,15 @@ class TailScheduler:
             if _compat.NULL_BLOCK_ID in ids:  # sliding-window gaps: vLLM's null block
                 ids = tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
             entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
-        if not entries or not (any_tail or self._track_failures):
+        if not entries or not (any_tail or (self._track_failures and not tails_only)):
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))
 
-    def _drop_read_destinations(self, scheduler_output: Any, inner_meta: Any) -> None:
+    def _drop_read_destinations(self, scheduler_output: Any, reads: dict[str, set[int]]) -> None:
         """Synchronous READs overwrite their destination blocks; zeroing them too
         can land after the RDMA READ. vLLM allows a sync READ connector to drop
         them (KVConnectorBase_V1.build_connector_meta); do it for every group."""
-        dests = {
-            b
-            for _, per_group in self._adapter.read_destinations(inner_meta)
-            for ids in per_group
-            for b in ids
-        }
+        dests = set().union(*reads.values())
         if not dests:
             return
         before = scheduler_output.new_block_ids_to_zero

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from kvtail_connector.kvgroups import GroupInfo
-from kvtail_connector.layout import CacheSet, cache_sets
+from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cache_slots
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.zeroer import Line
 from kvtail_connector.probe import probe_items
+from kvtail_connector.read_tails import ReadTailsByLayer
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot, tail_block
 
@@ -72,6 +73,8 @@ class TailWorker:
         zero_failed_loads: zero the destination blocks of failed loads from
             the first invalid block on (when vLLM does not re-zero them).
         probe: count stale bytes before zeroing (``probe_stale_tails``).
+        read_tails_by_layer: MoRIIO READ loads may land layer by layer (0.32):
+            be ready to zero their tails per layer.
         stats: the counters this side reports.
     """
 
@@ -83,6 +86,7 @@ class TailWorker:
         zero_tails: bool,
         zero_failed_loads: bool,
         probe: bool,
+        read_tails_by_layer: bool = False,
         stats: KVTailStats,
     ) -> None:
         self._groups = groups
@@ -99,6 +103,9 @@ class TailWorker:
         self._set_slot_bytes: list[int] = []
         self._set_slots: list[int] = []
         self._read_loads: list[LoadRecord] = []
+        self._read_tails_by_layer = read_tails_by_layer
+        self._by_layer: ReadTailsByLayer | None = None
+        self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         # Invalid block ids seen for loads still in flight, and ids fetched
         # from the inner connector early that the runner has not collected.
         self._load_errors: set[int] = set()
@@ -123,10 +130,13 @@ class TailWorker:
         self._sets_of_group = {}
         for i, s in enumerate(self._sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
-        self._set_slot_bytes = [sum(_slot_bytes(c) for c in s.caches) for s in self._sets]
+        self._set_slot_bytes = [sum(cache_slot_bytes(c) for c in s.caches) for s in self._sets]
         # A set is one group, page split and tokens_per_state: one slot count.
-        self._set_slots = [s.pages_per_block * _slots(s.caches[0]) for s in self._sets]
+        self._set_slots = [s.pages_per_block * cache_slots(s.caches[0]) for s in self._sets]
         self._zeroer.warmup()
+        if self._read_tails_by_layer and self._zero_tails:
+            self._by_layer = ReadTailsByLayer(self._sets)
+            self._by_layer.zeroer.warmup()
         logger.info(
             "KVTailConnector: zeroing tails on %s (%s backend%s): %d layer(s) in %d set(s), "
             "DCP rank %d/%d, interleave %d",
@@ -142,10 +152,11 @@ class TailWorker:
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode released the KV memory: launch nothing until restored."""
-        self._saved, self._zeroer = self._zeroer, None
+        self._saved = (self._zeroer, self._by_layer)
+        self._zeroer = self._by_layer = None
 
     def restore_kv_caches(self) -> None:
-        self._zeroer = getattr(self, "_saved", None)
+        self._zeroer, self._by_layer = getattr(self, "_saved", (None, None))
 
     def bind(self, meta: KVTailMetadata) -> None:
         """Keep this step's new loads, their tails encoded for the launch now,
@@ -170,8 +181,10 @@ class TailWorker:
 
     @property
     def num_tracked(self) -> int:
-        """Loads this worker still holds (0 when idle: the leak check)."""
-        return len(self._loads) + len(self._read_loads)
+        """Loads (and layers with READ tails) this worker still holds (0 when
+        idle: the leak check)."""
+        waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
+        return len(self._loads) + len(self._read_loads) + waiting_layers
 
     # ------------------------------------------------------------ completion
 
@@ -222,14 +235,46 @@ class TailWorker:
         self._forget_errors()
         self._zero(batches)
 
-    def zero_read_tails(self) -> None:
-        """MoRIIO READ loads have landed (before the forward): zero their tails."""
+    def reads_started(self, landed: bool) -> None:
+        """The inner ``start_load_kv`` returned. If every READ has landed
+        (``landed``), zero this step's READ tails now, before the forward;
+        otherwise each layer's, once that layer's READs have landed."""
         if not self._read_loads:
             return
         records, self._read_loads = self._read_loads, []
-        batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-        self._stats.add("tails_zeroed", sum(len(b.lines) for b in batches))
-        self._zero(batches)
+        by_layer = self._by_layer
+        if landed or by_layer is None:
+            batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
+            self._stats.add("tails_zeroed", sum(len(b.lines) for b in batches))
+            self._zero(batches)
+            return
+        for r in records:
+            items = self._tail_items(r)
+            by_layer.arm(r.req_id, items)
+            self._stats.add("tails_zeroed", len(items))
+
+    def layer_loaded(self, layer_name: str) -> None:
+        """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
+        landed and its attention has not run; zero its READ tails."""
+        by_layer = self._by_layer
+        if by_layer is None or not by_layer.pending:
+            return
+        work = by_layer.take(layer_name)
+        if work is not None:
+            self._zero_layer_work(by_layer, work)
+
+    def end_step(self) -> None:
+        """After the forward: layers whose ``wait_for_layer_load`` never ran
+        (no KV-transfer hook, e.g. the indexer cache) are zeroed now. This is
+        after their first read, but never wipes valid KV: the zeroing starts
+        after the tokens this step wrote."""
+        by_layer = self._by_layer
+        if by_layer is None or not by_layer.pending:
+            return
+        work = by_layer.take_all()
+        if work is not None:
+            logger.debug("kvtail: %d READ tail item(s) zeroed after the forward", len(work.lines))
+            self._zero_layer_work(by_layer, work)
 
     # -------------------------------------------------------------- helpers
 
@@ -254,7 +299,11 @@ class TailWorker:
         if not lines:
             return
         if self._probe:
-            self._report_probe(batches)
+            self._report_probe(
+                self._sets,
+                [ln.item for b in batches for ln in b.lines],
+                [b.owner for b in batches for _ in b.lines],
+            )
         self._stats.add("tail_bytes_zeroed", sum(b.nbytes for b in batches))
         zeroer.zero_lines(lines)
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
@@ -318,10 +367,31 @@ class TailWorker:
                         items.append((s.index, block, 0))
         return items
 
-    def _report_probe(self, batches: list[_Zeroing]) -> None:
-        items = np.array([ln.item for b in batches for ln in b.lines], dtype=np.int64)
-        owners = [b.owner for b in batches for _ in b.lines]
-        found = probe_items(self._sets, items, owners)
+    def _zero_layer_work(self, by_layer: ReadTailsByLayer, work: Any) -> None:
+        if self._probe:
+            found = probe_items(
+                by_layer.layer_sets,
+                np.array([ln.item for ln in work.lines], dtype=np.int64),
+                work.owners,
+            )
+            for req_id, (nonzero, nonfinite) in found.items():
+                counts = self._layer_probe.setdefault(req_id, [0, 0])
+                counts[0] += nonzero
+                counts[1] += nonfinite
+        self._stats.add("tail_bytes_zeroed", work.nbytes)
+        by_layer.zero(work)
+        self._last_zeroing = by_layer.last_launch_done
+        if self._layer_probe and not by_layer.pending:
+            # Every layer is done: one report per request, as for other tails.
+            summed, self._layer_probe = self._layer_probe, {}
+            self._report_found({req: (c[0], c[1]) for req, c in summed.items()})
+
+    def _report_probe(
+        self, sets: list[CacheSet], items: list[tuple[int, int, int]], owners: list[str]
+    ) -> None:
+        self._report_found(probe_items(sets, np.array(items, dtype=np.int64), owners))
+
+    def _report_found(self, found: dict[str, tuple[int, int]]) -> None:
         for req_id, (nonzero, nonfinite) in found.items():
             self._stats.add("probed_tails")
             self._stats.add("stale_nonzero_bytes", nonzero)
@@ -334,13 +404,3 @@ class TailWorker:
                     nonfinite,
                     nonzero,
                 )
-
-
-def _slots(cache: Any) -> int:
-    return int(cache.slots_per_page if hasattr(cache, "regions") else cache.shape[2])
-
-
-def _slot_bytes(cache: Any) -> int:
-    if hasattr(cache, "regions"):
-        return sum(r.slot_bytes for r in cache.regions)
-    return int(cache.shape[1] * cache.shape[3] * cache.element_size())

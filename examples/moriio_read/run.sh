@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # MoRIIO in READ mode (ROCm) behind KVTailConnector: READ destinations are kept
 # out of vLLM's new-block zeroing for every group, READ tails are zeroed once
-# the READ landed (vLLM 0.33). Needs vLLM built for ROCm and amd-mori.
+# the READ landed (0.33: after start_load_kv; 0.32: per layer). Needs vLLM
+# built for ROCm and amd-mori.
 #   MODEL=deepseek-ai/DeepSeek-V4-Flash examples/moriio_read/run.sh
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -20,7 +20,8 @@ constructor binds nothing: it only reads ``handshake_port`` / ``notify_port``
 0.32 vs 0.33: in READ mode 0.32's ``get_num_new_matched_tokens`` does not check
 ``do_remote_prefill`` (any consumer request "matches" ``N - computed - 1``
 tokens, but only real READs reach ``reqs_to_recv``); 0.33 returns 0 for them.
-READ tails are recorded on 0.33 only (0.32 lands READs inside the forward).
+READ tails are recorded on both: workers zero them after ``start_load_kv`` (0.33)
+or per layer after ``wait_for_layer_load`` (0.32), once the READ has landed.
 
 Expected block sets are computed from what the scheduler allocated
 (``KVCacheManager.get_block_ids``) and from the remote list lengths, never from
@@ -392,7 +393,10 @@ def test_mamba_hybrid_read_is_left_to_vllm(make_run):
     # The wrapper itself removed nothing.
     stats = wrapped.scheduler.connector.get_kv_connector_stats()
     assert stats is None or stats["read_blocks_exempted"] == 0
-    assert wrapped.lookups == 0
+    # It looked once, for READ tails: the attention tail block is not read
+    # (MoRIIO recomputes it) and vLLM zeroes it, so no record either.
+    assert wrapped.lookups == 1
+    assert out.kv_connector_metadata.read_loads == ()
 
 
 # ------------------------------------------------------- 4. uniform precision
@@ -494,16 +498,14 @@ def test_read_load_record_matches_moriio_count(make_run):
     }
     assert not tail_blocks & set(out.new_block_ids_to_zero or ())
 
-    if _vllm_minor() < (0, 33):
-        # 0.32 MoRIIO lands READs per layer inside the forward: no point where the
-        # wrapper could zero the tail before it is read, so nothing is shipped.
-        assert out.kv_connector_metadata.read_loads == ()
-        return
-    # 0.33: the READ has landed when start_load_kv returns; the record tells the
-    # workers to zero slots 3..15 of the tail block right there.
+    # The record (both versions) counts the recomputed token too: the READ brings
+    # the producer's whole tail block, this step's forward writes token 99 (slot 3),
+    # and workers zero slots 4..15 once the READ has landed (0.33: after
+    # start_load_kv; 0.32: per layer, after wait_for_layer_load, where a backend
+    # that writes the KV before attention has already written slot 3).
     (record,) = out.kv_connector_metadata.read_loads
     assert record.req_id == "read"
-    assert (record.num_local, record.num_loaded) == (shared, 99)
+    assert (record.num_local, record.num_loaded) == (shared, 99 + 1)
     first = shared // BLOCK
     assert [(g.group, g.first_block, list(g.block_ids)) for g in record.groups] == [
         (gid, first, alloc[gid][first:LOCAL_BLOCKS]) for gid in (0, 1)

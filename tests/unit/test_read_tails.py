@@ -1,0 +1,203 @@
+"""MoRIIO READ tails: zeroed once the READ has landed, all at once or layer by layer.
+
+A READ copies whole producer blocks, the producer's stale tail included. The
+tests play the READ: they write "producer" bytes (NaN-laden) over a layer's
+destination blocks at the moment vLLM would see them land, then check the
+worker's zeroing against the reference, byte for byte over the whole backing
+storage.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import CUDAGraphMode  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvtail_connector import _compat  # noqa: E402
+from kvtail_connector.kvgroups import group_infos  # noqa: E402
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
+from kvtail_connector.stats import KVTailStats  # noqa: E402
+from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
+from tests.helpers.layouts import rebase  # noqa: E402
+from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
+from tests.helpers.worker_caches import allocate  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
+# Two READ loads (valid token counts include the recomputed token): tails in
+# block 6 from slot 5 and in block 3 from slot 1.
+READS = (
+    LoadRecord("a", 0, 37, (GroupLoad(0, 0, (4, 2, 6)),)),
+    LoadRecord("b", 16, 33, (GroupLoad(0, 1, (5, 3)),)),
+)
+TAILS = [(6, 5), (3, 1)]
+DEST_BLOCKS = (4, 2, 6, 5, 3)
+
+
+@pytest.fixture
+def setup():
+    kv = make_kv_cache_config(block_size=16, num_blocks=8, dtype=torch.bfloat16, layer_names=LAYERS)
+    caches = allocate(kv)
+    stats = KVTailStats()
+    worker = TailWorker(
+        group_infos(kv, 1),
+        RankPlacement(),
+        zero_tails=True,
+        zero_failed_loads=False,
+        probe=True,
+        read_tails_by_layer=True,
+        stats=stats,
+    )
+    worker.register_kv_caches(caches.views, kv)
+    worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
+    return SimpleNamespace(kv=kv, caches=caches, worker=worker, stats=stats)
+
+
+def _land_read(view: torch.Tensor, seed: int) -> None:
+    """The producer's blocks arrive: random bits (NaN among them) in every slot."""
+    gen = torch.Generator().manual_seed(seed)
+    for block in DEST_BLOCKS:
+        page = view[block].view(torch.int16)
+        page.copy_(torch.randint(-(2**15), 2**15, page.shape, dtype=torch.int16, generator=gen))
+        view[block, :, -1, 0] = float("nan")  # at least one NaN in each tail
+
+
+def _expected(s: SimpleNamespace, zeroed: list[str]) -> torch.Tensor:
+    """The backing as it is now, with the tails of ``zeroed`` layers zeroed."""
+    expected = s.caches.raw[0].clone()
+    views = rebase([s.caches.views[name] for name in zeroed], expected)
+    reference_zero_kv_blocks(views, (), TAILS)
+    return expected
+
+
+def test_each_layer_is_zeroed_right_after_its_reads_land(setup):
+    s = setup
+    s.worker.reads_started(landed=False)
+    assert s.worker.num_tracked == len(LAYERS)  # one layer's work each, nothing yet
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+        before_zeroing = s.caches.raw[0].clone()
+        s.worker.layer_loaded(name)
+        # Exactly this layer's tails; the layers still waiting are untouched.
+        assert torch.equal(s.caches.raw[0], _expected_from(before_zeroing, s, [name]))
+        assert not s.caches.views[name][6, :, 5:].isnan().any()
+        assert s.caches.views[name][6, :, :5].isnan().any()  # valid slots keep their bytes
+    assert s.worker.num_tracked == 0
+    s.worker.end_step()  # nothing left for the end of the step
+    assert s.stats.data["tails_zeroed"] == 2
+    assert s.stats.data["probed_tails"] == 2  # one report per request, not per layer
+    assert s.stats.data["stale_nonfinite_values"] > 0
+
+
+def _expected_from(backing: torch.Tensor, s: SimpleNamespace, layers: list[str]) -> torch.Tensor:
+    expected = backing.clone()
+    reference_zero_kv_blocks(rebase([s.caches.views[n] for n in layers], expected), (), TAILS)
+    return expected
+
+
+def test_a_second_wait_for_the_same_layer_zeroes_nothing_more(setup):
+    s = setup
+    s.worker.reads_started(landed=False)
+    name = LAYERS[0]
+    _land_read(s.caches.views[name], seed=0)
+    s.worker.layer_loaded(name)
+    after = s.caches.raw[0].clone()
+    s.worker.layer_loaded(name)
+    s.worker.layer_loaded("model.layers.9.unknown")  # not a layer with tails: ignored
+    assert torch.equal(s.caches.raw[0], after)
+
+
+def test_reads_landed_at_start_zero_every_layer_at_once(setup):
+    s = setup
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    expected = _expected(s, list(LAYERS))
+    s.worker.reads_started(landed=True)
+    assert torch.equal(s.caches.raw[0], expected)
+    assert s.worker.num_tracked == 0
+    for name in LAYERS:  # the per-layer hooks that follow find nothing to do
+        s.worker.layer_loaded(name)
+    assert torch.equal(s.caches.raw[0], expected)
+
+
+def test_layers_whose_hook_never_runs_are_zeroed_at_the_end_of_the_step(setup):
+    s = setup
+    s.worker.reads_started(landed=False)
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    s.worker.layer_loaded(LAYERS[1])
+    expected = _expected(s, [LAYERS[0], LAYERS[2]])
+    s.worker.end_step()
+    assert torch.equal(s.caches.raw[0], expected)
+    assert s.worker.num_tracked == 0
+
+
+def test_without_per_layer_support_the_reads_are_zeroed_at_start():
+    # 0.33 (read_tails_by_layer False): READs have always landed at start.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8, layer_names=LAYERS)
+    caches = allocate(kv)
+    worker = TailWorker(
+        group_infos(kv, 1),
+        RankPlacement(),
+        zero_tails=True,
+        zero_failed_loads=False,
+        probe=False,
+        stats=KVTailStats(),
+    )
+    worker.register_kv_caches(caches.views, kv)
+    worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
+    expected = caches.raw[0].clone()
+    reference_zero_kv_blocks(rebase(list(caches.views.values()), expected), (), TAILS)
+    worker.reads_started(landed=False)
+    assert torch.equal(caches.raw[0], expected)
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE])
+def test_when_reads_have_landed_at_start(mode):
+    landed = _compat.moriio_reads_landed_at_start(SimpleNamespace(cudagraph_runtime_mode=mode))
+    if _compat.vllm_version() >= (0, 33):
+        assert landed and not _compat.moriio_reads_may_land_per_layer()
+    else:
+        # 0.32 MoRIIO awaits every READ in start_load_kv only under FULL graphs.
+        assert landed == (mode == CUDAGraphMode.FULL)
+        assert _compat.moriio_reads_may_land_per_layer()
+
+
+def test_wrapper_hooks_reach_the_worker_in_order():
+    from tests.unit.test_forwarding import build
+
+    wrapper, inner, _ = build(KVConnectorRole.WORKER)
+    wrapper._sync_read = True  # as for MoRIIO READ (its worker needs ROCm)
+    order: list[tuple[str, object]] = []
+    worker = wrapper._worker
+    worker.reads_started = lambda landed: order.append(("reads_started", landed))
+    worker.layer_loaded = lambda name: order.append(("layer_loaded", name))
+    worker.end_step = lambda: order.append(("end_step", None))
+    for hook in ("start_load_kv", "wait_for_layer_load", "clear_connector_metadata"):
+        original = getattr(inner, hook)
+        setattr(
+            inner,
+            hook,
+            lambda *a, _h=hook, _o=original, **k: (order.append((_h, None)), _o(*a, **k))[1],
+        )
+    ctx = SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+    wrapper.start_load_kv(ctx)
+    wrapper.wait_for_layer_load(LAYERS[0])
+    wrapper.clear_connector_metadata()
+    landed = _compat.moriio_reads_landed_at_start(ctx)
+    assert order == [
+        ("start_load_kv", None),
+        ("reads_started", landed),
+        ("wait_for_layer_load", None),
+        ("layer_loaded", LAYERS[0]),
+        ("end_step", None),
+        ("clear_connector_metadata", None),
+    ]
