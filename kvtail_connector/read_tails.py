@@ -15,22 +15,35 @@ op before the attention op); records for READ loads count them (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvtail_connector.layout import CacheSet, cache_slot_bytes, cache_slots
 from kvtail_connector.ops import KVZeroer
-from kvtail_connector.ops.zeroer import Line
+from kvtail_connector.ops.zeroer import StagedGroups
 
 
 @dataclass
-class _LayerWork:
-    """What one layer still has to zero this step."""
+class _Armed:
+    """One cache set's READ tails this step, staged for every layer of the set."""
 
-    lines: list[Line] = field(default_factory=list)
-    owners: list[str] = field(default_factory=list)
-    nbytes: int = 0
+    blocks_firsts: list[tuple[int, int]]
+    owners: list[str]
+    staged: StagedGroups
+
+
+class LayerWork(NamedTuple):
+    """What one layer has to zero (a tuple: built for every layer, every step)."""
+
+    armed: _Armed
+    k: int  # index in the set's layers (and in ``armed.staged``)
+    group: int  # the layer's zeroer group
+
+    @property
+    def items(self) -> list[tuple[int, int, int]]:
+        return [(self.group, b, f) for b, f in self.armed.blocks_firsts]
 
 
 class ReadTailsByLayer:
@@ -52,10 +65,13 @@ class ReadTailsByLayer:
         for s in sets:
             self._children.append(list(range(i, i + len(s.caches))))
             i += len(s.caches)
+        self._names = [ls.layer_names[0] for ls in self.layer_sets]
         self.zeroer = KVZeroer([([c], s.pages_per_block) for s in sets for c in s.caches])
         self._slot_bytes = [cache_slot_bytes(ls.caches[0]) for ls in self.layer_sets]
         self._slots = [ls.pages_per_block * cache_slots(ls.caches[0]) for ls in self.layer_sets]
-        self._work: dict[str, _LayerWork] = {}
+        self._armed: list[list[tuple[str, int, int]]] = [[] for _ in sets]
+        self._work: dict[str, LayerWork] = {}
+        self._unrecorded = False  # launched since the last recorded event
 
     @property
     def pending(self) -> bool:
@@ -72,32 +88,56 @@ class ReadTailsByLayer:
 
     def arm(self, owner: str, items: list[tuple[int, int, int]]) -> None:
         """Queue ``items`` (set index, block, first slot) of request ``owner``
-        for every layer of their sets."""
+        for every layer of their sets (see :meth:`stage`)."""
         for set_index, block, first in items:
-            for child in self._children[set_index]:
-                line = self.zeroer.line(child, block, first)
-                if line is None:
-                    continue
-                work = self._work.setdefault(self.layer_sets[child].layer_names[0], _LayerWork())
-                work.lines.append(line)
-                work.owners.append(owner)
-                work.nbytes += self._slot_bytes[child] * (self._slots[child] - first)
+            self._armed[set_index].append((owner, block, first))
 
-    def take(self, layer_name: str) -> _LayerWork | None:
+    def stage(self) -> None:
+        """Turn what was armed into one launch per layer, put on the device
+        with one copy per cache set: each layer then costs one kernel launch
+        when it lands."""
+        for set_index, armed in enumerate(self._armed):
+            if not armed:
+                continue
+            children = self._children[set_index]
+            blocks_firsts = [(block, first) for _, block, first in armed]
+            batch = _Armed(
+                blocks_firsts,
+                [owner for owner, _, _ in armed],
+                self.zeroer.stage_groups(children, blocks_firsts),
+            )
+            spans = batch.staged.spans
+            self._work.update(
+                (self._names[child], LayerWork(batch, k, child))
+                for k, child in enumerate(children)
+                if spans[k] is not None
+            )
+            armed.clear()
+
+    def nbytes(self, work: LayerWork) -> int:
+        """Bytes ``work`` zeroes."""
+        slots, slot_bytes = self._slots[work.group], self._slot_bytes[work.group]
+        return sum(slot_bytes * max(slots - f, 0) for _, f in work.armed.blocks_firsts)
+
+    def take(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), removed."""
         return self._work.pop(layer_name, None)
 
-    def take_all(self) -> _LayerWork | None:
-        """Every layer's remaining work as one (None if none is left)."""
-        if not self._work:
-            return None
-        merged = _LayerWork()
-        for work in self._work.values():
-            merged.lines += work.lines
-            merged.owners += work.owners
-            merged.nbytes += work.nbytes
+    def take_all(self) -> list[LayerWork]:
+        """Every layer's remaining work, removed."""
+        works = list(self._work.values())
         self._work.clear()
-        return merged
+        return works
 
-    def zero(self, work: _LayerWork) -> None:
-        self.zeroer.zero_lines(work.lines)
+    def zero(self, work: LayerWork) -> None:
+        """Launch ``work``; the done event is recorded only behind the last
+        layer's launch (or by :meth:`record_done`)."""
+        last = not self._work
+        work.armed.staged.launch(work.k, record_event=last)
+        self._unrecorded = not last
+
+    def record_done(self) -> None:
+        """Make :attr:`last_launch_done` cover every launch so far."""
+        if self._unrecorded:
+            self.zeroer.record_done()
+            self._unrecorded = False

@@ -24,7 +24,7 @@ from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.zeroer import Line
 from kvtail_connector.probe import probe_items
-from kvtail_connector.read_tails import ReadTailsByLayer
+from kvtail_connector.read_tails import LayerWork, ReadTailsByLayer
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot, tail_block
 
@@ -252,6 +252,7 @@ class TailWorker:
             items = self._tail_items(r)
             by_layer.arm(r.req_id, items)
             self._stats.add("tails_zeroed", len(items))
+        by_layer.stage()
 
     def layer_loaded(self, layer_name: str) -> None:
         """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
@@ -269,12 +270,15 @@ class TailWorker:
         after their first read, but never wipes valid KV: the zeroing starts
         after the tokens this step wrote."""
         by_layer = self._by_layer
-        if by_layer is None or not by_layer.pending:
+        if by_layer is None:
             return
-        work = by_layer.take_all()
-        if work is not None:
-            logger.debug("kvtail: %d READ tail item(s) zeroed after the forward", len(work.lines))
+        left = by_layer.take_all()
+        if left:
+            logger.debug("kvtail: READ tails of %d layer(s) zeroed after the forward", len(left))
+        for work in left:
             self._zero_layer_work(by_layer, work)
+        by_layer.record_done()
+        self._last_zeroing = by_layer.last_launch_done
 
     # -------------------------------------------------------------- helpers
 
@@ -367,18 +371,18 @@ class TailWorker:
                         items.append((s.index, block, 0))
         return items
 
-    def _zero_layer_work(self, by_layer: ReadTailsByLayer, work: Any) -> None:
+    def _zero_layer_work(self, by_layer: ReadTailsByLayer, work: LayerWork) -> None:
         if self._probe:
             found = probe_items(
                 by_layer.layer_sets,
-                np.array([ln.item for ln in work.lines], dtype=np.int64),
-                work.owners,
+                np.array(work.items, dtype=np.int64),
+                work.armed.owners,
             )
             for req_id, (nonzero, nonfinite) in found.items():
                 counts = self._layer_probe.setdefault(req_id, [0, 0])
                 counts[0] += nonzero
                 counts[1] += nonfinite
-        self._stats.add("tail_bytes_zeroed", work.nbytes)
+        self._stats.add("tail_bytes_zeroed", by_layer.nbytes(work))
         by_layer.zero(work)
         self._last_zeroing = by_layer.last_launch_done
         if self._layer_probe and not by_layer.pending:

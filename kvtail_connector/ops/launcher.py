@@ -64,6 +64,34 @@ def num_programs(device: torch.device) -> int:
     return _sm_count(index) * PROGRAMS_PER_SM
 
 
+class _WorkAt:
+    """A work buffer at an offset into a staged one, for the compiled CUDA
+    launcher, which only reads ``data_ptr()`` (a torch view costs ~2 µs)."""
+
+    __slots__ = ("_base", "_bytes")
+    dtype = torch.int64
+
+    def __init__(self, base: torch.Tensor, offset: int) -> None:
+        self._base, self._bytes = base, offset * base.element_size()
+
+    def data_ptr(self) -> int:
+        return self._base.data_ptr() + self._bytes
+
+    def tensor(self) -> torch.Tensor:
+        return self._base[self._bytes // self._base.element_size() :]
+
+
+def _as_tensor(work: Any) -> torch.Tensor:
+    return work.tensor() if isinstance(work, _WorkAt) else work
+
+
+def work_at(base: torch.Tensor, offset: int) -> Any:
+    """``base[offset:]`` as the kernel's work argument (int64 elements)."""
+    if base.device.type == "cuda":
+        return _WorkAt(base, offset)
+    return base[offset:]  # the interpreter reads real tensors
+
+
 def launch_jit(grid: int, work: torch.Tensor, rows: torch.Tensor) -> None:
     kernel()[(grid,)](work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
@@ -91,11 +119,11 @@ class _Compiled:
     def fast(self) -> bool:
         return self._fast is not None
 
-    def __call__(self, grid: int, work: torch.Tensor, rows: torch.Tensor) -> None:
+    def __call__(self, grid: int, work: Any, rows: torch.Tensor) -> None:
         if self._fast is not None:
             self._fast[(grid, 1, 1)](work, rows, BLOCK)
         else:
-            launch_jit(grid, work, rows)
+            launch_jit(grid, _as_tensor(work), rows)
 
 
 class KernelLauncher:
@@ -154,15 +182,25 @@ class KernelLauncher:
             return torch.from_numpy(work).to(self.device)
         return self._staging.to_device(work)
 
-    def launch_staged(self, work: torch.Tensor, units: int) -> None:
-        """Launch over an already staged work buffer of ``units`` work units."""
+    def launch_staged(self, work: Any, units: int, *, record_event: bool = True) -> None:
+        """Launch over an already staged work buffer of ``units`` work units.
+
+        ``record_event=False`` leaves :attr:`last_done` behind this launch until
+        :meth:`record_done` (a series of launches pays for one event)."""
         grid = max(1, min(units, self.programs))
         if self.device.type != "cuda":
             launch_jit(grid, work, self.rows)
             return
         if self._compiled is None:
-            self._compiled = _Compiled(work, self.rows)
+            self._compiled = _Compiled(_as_tensor(work), self.rows)
         self._compiled(grid, work, self.rows)
+        if record_event:
+            self.record_done()
+
+    def record_done(self) -> None:
+        """Record :attr:`last_done` behind everything launched so far (CUDA)."""
+        if self.device.type != "cuda":
+            return
         if self._staged_done is None:
             self._staged_done = torch.cuda.Event()
         self._staged_done.record()

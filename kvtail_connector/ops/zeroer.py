@@ -129,6 +129,37 @@ class Prepared:
             self.zeroer._launcher.launch_staged(self.work, self.units)
 
 
+@dataclass
+class StagedGroups:
+    """One staged launch per group (see :meth:`KVZeroer.stage_groups`).
+
+    ``launch(k)`` only enqueues the kernel over the k-th group's part of one
+    work buffer already on the device.
+    """
+
+    zeroer: KVZeroer
+    base: torch.Tensor | None  # the device work buffer; None on the torch backend
+    spans: list[tuple[int, int] | None]  # per group: (offset, work units); None: nothing
+    lines: list[list[Line]]  # per group, for the torch backend (empty on Triton)
+
+    def has_work(self, k: int) -> bool:
+        return self.spans[k] is not None
+
+    def launch(self, k: int, *, record_event: bool = True) -> None:
+        """Zero the k-th group's items. ``record_event=False``: the caller calls
+        :meth:`KVZeroer.record_done` after the last launch of a series."""
+        span = self.spans[k]
+        if span is None:
+            return
+        if self.base is None:
+            self.zeroer.zero_lines(self.lines[k])
+            return
+        launcher = self.zeroer._launcher
+        assert launcher is not None, "triton backend has a launcher"
+        offset, units = span
+        launcher.launch_staged(L.work_at(self.base, offset), units, record_event=record_event)
+
+
 class KVZeroer:
     """Zero whole blocks and block tails across cache groups in one launch.
 
@@ -210,6 +241,9 @@ class KVZeroer:
             )
         ]
         self._any_slots_list = [int(x) for x in self._any_slots]
+        self._uniform: dict[
+            tuple[int, ...], tuple[int, tuple[int, int], tuple[int, int]] | None
+        ] = {}
         self._launcher: L.KernelLauncher | None = None
         if self.backend == "triton":
             table = torch.from_numpy(_row_table([r for rows in all_lists for r in rows]))
@@ -314,6 +348,113 @@ class KVZeroer:
         if self._launcher is None:
             self._zero_torch(np.array([ln.item for ln in lines], dtype=np.int64))
             return len(lines)
+        self._launcher.run(*self._line_work(lines))
+        return len(lines)
+
+    def stage_groups(
+        self, groups: Sequence[int], blocks_firsts: Sequence[tuple[int, int]]
+    ) -> StagedGroups:
+        """Stage, for each of ``groups``, a later launch zeroing the same
+        ``(block, first slot)`` items in that group, with one host-to-device copy.
+
+        For layers that land one at a time (one group per layer). Groups of one
+        geometry (the usual case: identical layers) are encoded together in
+        numpy; others line by line. Items are trusted, as for :meth:`line`.
+        """
+        none: list[tuple[int, int] | None] = [None] * len(groups)
+        if not groups or not blocks_firsts:
+            return StagedGroups(self, None, none, [])
+        if self._launcher is None:
+            lines = [
+                [ln for ln in (self.line(g, b, f) for b, f in blocks_firsts) if ln] for g in groups
+            ]
+            return StagedGroups(self, None, [(0, 0) if x else None for x in lines], lines)
+        uniform = self._uniform_facts(tuple(groups))
+        if uniform is not None:
+            segments = self._same_items_work(groups, blocks_firsts, *uniform)
+        else:
+            segments = []
+            for g in groups:
+                batch = [ln for ln in (self.line(g, b, f) for b, f in blocks_firsts) if ln]
+                segments.append(self._line_work(batch) if batch else None)
+        spans: list[tuple[int, int] | None] = []
+        offset = 0
+        for seg in segments:
+            if seg is None:
+                spans.append(None)
+            else:
+                spans.append((offset, seg[1]))
+                offset += seg[0].size
+        if offset == 0:
+            return StagedGroups(self, None, none, [])
+        # Every segment starts 32-byte aligned (8 + 4k int64), as the compiled
+        # kernel assumes of its work pointer (16-byte divisibility).
+        base = self._launcher.stage(np.concatenate([seg[0] for seg in segments if seg]))
+        return StagedGroups(self, base, spans, [])
+
+    def _uniform_facts(
+        self, groups: tuple[int, ...]
+    ) -> tuple[int, tuple[int, int], tuple[int, int]] | None:
+        """What encoding needs of ``groups`` if they all share it, else None
+        (cached: callers stage the same groups step after step)."""
+        if groups not in self._uniform:
+            facts = [
+                (
+                    self._any_slots_list[g],
+                    (self._line_facts[g][1], self._line_facts[g][2]),
+                    (
+                        self._line_facts[self._n_groups + g][1],
+                        self._line_facts[self._n_groups + g][2],
+                    ),
+                )
+                for g in groups
+            ]
+            self._uniform[groups] = facts[0] if all(f == facts[0] for f in facts) else None
+        return self._uniform[groups]
+
+    def _same_items_work(
+        self,
+        groups: Sequence[int],
+        blocks_firsts: Sequence[tuple[int, int]],
+        any_slots: int,
+        tail_facts: tuple[int, int],
+        whole_facts: tuple[int, int],
+    ) -> list[tuple[np.ndarray, int] | None]:
+        """Per group, the work buffer zeroing ``blocks_firsts`` (groups of one
+        geometry: only the row table offsets differ)."""
+        (t_count, t_chunks), (w_count, w_chunks) = tail_facts, whole_facts
+        bf = np.asarray(blocks_firsts, dtype=np.int64).reshape(-1, 2)
+        whole = bf[(bf[:, 1] == 0) & (w_count > 0)]
+        tails = bf[(bf[:, 1] > 0) & (bf[:, 1] < any_slots) & (t_count > 0)]
+        n = len(whole) + len(tails)
+        if n == 0:
+            return [None] * len(groups)
+        header, units = _header(
+            len(whole),
+            w_count if len(whole) else 0,
+            w_chunks if len(whole) else 0,
+            len(tails),
+            t_count if len(tails) else 0,
+            t_chunks if len(tails) else 0,
+        )
+        work = np.empty((len(groups), L.HEADER + n * L.ITEM_COLS), dtype=np.int64)
+        work[:, : L.HEADER] = header
+        body = work[:, L.HEADER :].reshape(len(groups), n, L.ITEM_COLS)
+        body[:, :, :2] = np.concatenate([whole, tails])
+        g = np.asarray(groups, dtype=np.int64)
+        body[:, : len(whole), 2] = self._row_start[self._n_groups + g][:, None]
+        body[:, : len(whole), 3] = w_count
+        body[:, len(whole) :, 2] = self._row_start[g][:, None]
+        body[:, len(whole) :, 3] = t_count
+        return [(row, units) for row in work]
+
+    def record_done(self) -> None:
+        """Record :attr:`last_launch_done` behind every launch so far (CUDA)."""
+        if self._launcher is not None:
+            self._launcher.record_done()
+
+    def _line_work(self, lines: Sequence[Line]) -> tuple[np.ndarray, int]:
+        """The kernel's work buffer for ``lines`` and its work units."""
         whole = [ln for ln in lines if ln.item[2] == 0]
         tails = [ln for ln in lines if ln.item[2] != 0] if whole else lines
         header, units = _header(
@@ -330,8 +471,7 @@ class KVZeroer:
             dtype=np.int64,
             count=L.HEADER + L.ITEM_COLS * len(lines),
         )
-        self._launcher.run(work, units)
-        return len(lines)
+        return work, units
 
     def _work(self, parts: Sequence[Encoded]) -> tuple[np.ndarray, int]:
         """The kernel's work buffer (header + whole-block lines + tail lines)."""

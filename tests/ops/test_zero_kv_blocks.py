@@ -240,6 +240,33 @@ def test_several_groups_in_one_call(backend, device):
     assert torch.equal(d1.raw.cpu(), e1)
 
 
+@pytest.mark.parametrize(("backend", "device"), PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("same_geometry", [True, False], ids=["numpy", "by-line"])
+def test_staged_groups_zero_the_same_items_in_each_group(backend, device, same_geometry):
+    # The same (block, first) items staged for several one-layer groups; each
+    # launch zeroes its own layer. Identical layers take the numpy encoding.
+    backing = make_backing(
+        "LBHNC", num_layers=3, num_pages=8, heads=2, slots=8, content=16, dtype=torch.bfloat16
+    )
+    on_dev = to_device(backing, device)
+    views = list(on_dev.views)
+    ref_views = rebase(backing.views, expected := backing.raw.clone())
+    if not same_geometry:  # one layer seen with half its heads: other row counts
+        views[1], ref_views[1] = views[1][:, :1], ref_views[1][:, :1]
+    zeroer = KVZeroer([([v], 1) for v in views], backend=backend)
+    items = [(3, 5), (1, 0), (6, 8), (2, 7)]  # first 8: nothing left in that block
+    staged = zeroer.stage_groups([2, 0, 1], items)
+    assert all(staged.has_work(k) for k in range(3))
+    for k, layer in ((0, 2), (2, 1), (1, 0)):  # launched in another order than staged
+        reference_zero_kv_blocks([ref_views[layer]], [1], [(3, 5), (2, 7)])
+        staged.launch(k, record_event=k == 1)
+        assert torch.equal(on_dev.raw.cpu(), expected), _diff(on_dev.raw.cpu(), expected)
+    zeroer.record_done()
+    assert not zeroer.stage_groups([0, 1], []).has_work(0)
+    dead = zeroer.stage_groups([0, 1], [(4, 8)])  # first slot past the block: nothing
+    assert not dead.has_work(0) and not dead.has_work(1)
+
+
 def test_public_function_matches_reference():
     backing = make_backing(
         "BHLNC",

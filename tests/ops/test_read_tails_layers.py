@@ -1,0 +1,62 @@
+"""Per-layer READ tails (``ReadTailsByLayer``) on every zeroing path, CUDA included.
+
+Needs no vLLM: the cache sets are built by hand. Layers "land" one at a time
+(their bytes rewritten, as a READ does) and each layer's launch must zero its
+own tails only, byte for byte against the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtail_connector.layout import CacheSet
+from kvtail_connector.ops import reference_zero_kv_blocks
+from kvtail_connector.read_tails import ReadTailsByLayer
+from tests.helpers.layouts import make_backing, rebase, to_device
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TAILS = [(5, 3), (2, 9), (7, 1)]  # (block, first slot) of three READ loads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+def test_each_layer_zeroes_its_own_tails_as_it_lands(device, layout):
+    backing = make_backing(
+        layout, num_layers=4, num_pages=16, heads=2, slots=16, content=32, dtype=torch.bfloat16
+    )
+    on_dev = to_device(backing, device)
+    names = [f"layer.{i}" for i in range(4)]
+    # Two sets (as two groups would be): layers 0-2, and layer 3 with 2 pages per block.
+    sets = [
+        CacheSet(0, 1, 1, on_dev.views[:3], names[:3]),
+        CacheSet(1, 2, 1, on_dev.views[3:], names[3:]),
+    ]
+    by_layer = ReadTailsByLayer(sets)
+    by_layer.zeroer.warmup()
+    by_layer.arm("a", [(0, 5, 3), (0, 2, 9), (1, 3, 20)])
+    by_layer.arm("b", [(0, 7, 1)])
+    by_layer.stage()
+    assert by_layer.num_pending == 4
+    expected = backing.raw.clone()
+    ref = rebase(backing.views, expected)
+    gen = torch.Generator().manual_seed(0)
+    for i in (2, 0, 3, 1):  # landing order is the runtime's
+        as_bytes = ref[i].view(torch.int8)
+        noise = torch.randint(-128, 127, as_bytes.shape, dtype=torch.int8, generator=gen)
+        on_dev.views[i].view(torch.int8)[...] = noise.to(device)
+        as_bytes[...] = noise
+        if i < 3:
+            reference_zero_kv_blocks([ref[i]], (), TAILS)
+        else:
+            reference_zero_kv_blocks([ref[i]], (), [(3, 20)], pages_per_block=2)
+        work = by_layer.take(names[i])
+        assert work is not None
+        by_layer.zero(work)
+        got = on_dev.raw.cpu()
+        assert torch.equal(got, expected), f"layer {i}: {(got != expected).sum()} bytes differ"
+    assert not by_layer.pending
+    by_layer.record_done()
+    if device == "cuda":
+        assert by_layer.last_launch_done is not None
+        by_layer.last_launch_done.synchronize()
