@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 # moriio_connector imports msgpack at module level (kvtail-connector[moriio]).
@@ -510,3 +511,68 @@ def test_read_load_record_matches_moriio_count(make_run):
     assert [(g.group, g.first_block, list(g.block_ids)) for g in record.groups] == [
         (gid, first, alloc[gid][first:LOCAL_BLOCKS]) for gid in (0, 1)
     ]
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer (0.32)", "at start"])
+def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per_layer):
+    # The real scheduler's READ record, handed to a worker over CPU caches: each
+    # layer's READ lands (the producer's whole pages, NaN-bearing tail included)
+    # after the backend already wrote the recomputed token 99 (slot 3 of block 6);
+    # the worker must zero slots 4..15 of that block and nothing else.
+    from kvtail_connector.kvgroups import group_infos
+    from kvtail_connector.ops import reference_zero_kv_blocks
+    from kvtail_connector.stats import KVTailStats
+    from kvtail_connector.worker import RankPlacement, TailWorker
+    from tests.helpers.layouts import rebase
+    from tests.helpers.worker_caches import allocate
+
+    kv = _mixed()
+    run = make_run(wrapped=True, kv_cache_config=kv, enable_prefix_caching=True)
+    prompt = list(range(3, 3 + 100))
+    shared = 4 * BLOCK
+    run.add("warm", shared + 16, prompt_token_ids=prompt[:shared] + [500] * 16, max_tokens=1)
+    run_step(run.scheduler)
+    remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
+    run.add("read", 100, _peer_params(remote, req_id="read"), prompt_token_ids=prompt)
+    out = run.scheduler.schedule()
+    alloc = run.blocks("read")
+    dests = run.inner_meta(out).reqs_to_recv["read"].local_block_ids
+
+    caches = allocate(kv)
+    worker = TailWorker(
+        group_infos(kv, 1),
+        RankPlacement(),
+        zero_tails=True,
+        zero_failed_loads=False,
+        probe=False,
+        read_tails_by_layer=per_layer,
+        stats=KVTailStats(),
+    )
+    worker.register_kv_caches(caches.views, kv)
+    worker.bind(out.kv_connector_metadata)
+    if per_layer:
+        worker.reads_started(landed=False)
+    gen = torch.Generator().manual_seed(0)
+    layers = [(gid, name) for gid, g in enumerate(kv.kv_cache_groups) for name in g.layer_names]
+    for gid, name in layers:
+        page = caches.views[name].view(torch.int8)  # [B, H, N, C bytes]
+        tail_block = alloc[gid][6]
+        page[tail_block, :, 3].fill_(0x11)  # the KV update of token 99
+        for block in dests[gid]:  # the READ lands, whole producer pages
+            page[block].copy_(torch.randint(-128, 128, page[block].shape, generator=gen))
+        if per_layer:
+            expected = caches.raw[gid].clone()
+            reference_zero_kv_blocks(rebase([caches.views[name]], expected), (), [(tail_block, 4)])
+            worker.layer_loaded(name)
+            assert torch.equal(caches.raw[gid], expected), name
+    if not per_layer:
+        expected_all = {gid: raw.clone() for gid, raw in caches.raw.items()}
+        for gid, name in layers:
+            reference_zero_kv_blocks(
+                rebase([caches.views[name]], expected_all[gid]), (), [(alloc[gid][6], 4)]
+            )
+        worker.reads_started(landed=True)
+        for gid, raw in caches.raw.items():
+            assert torch.equal(raw, expected_all[gid])
+    worker.end_step()
+    assert worker.num_tracked == 0
