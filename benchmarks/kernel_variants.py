@@ -23,6 +23,7 @@ from bench_zeroing import _noop, graph_time_us, launch_floor_us, make_cache, mem
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops import launcher as L
 from kvtail_connector.ops.staging import PinnedStaging
+from kvtail_connector.ops.work import parts_work
 
 # (BLOCK, num_warps, programs per SM, 16-byte stores)
 VARIANTS = [
@@ -49,7 +50,7 @@ def variant_time(zeroer, items, rows_vec, rows_novec, block, warps, per_sm, vec)
     old = L.BLOCK
     L.BLOCK = block  # the work header's chunk counts depend on it
     try:
-        work, units = zeroer._work([zeroer.encode(items, validate=False)])
+        work, units = parts_work([zeroer.encode(items, validate=False)])
     finally:
         L.BLOCK = old
     work_dev = torch.from_numpy(work).cuda()
@@ -146,7 +147,7 @@ def main() -> int:
         ),
         ("staging a 64-item work buffer", lambda: staging.to_device(table), 2000),
         ("encode 64 tails (numpy)", lambda: staged.encode(items64, validate=False), 2000),
-        ("work buffer from 64 encoded tails", lambda: staged._work(parts64), 2000),
+        ("work buffer from 64 encoded tails", lambda: parts_work(parts64), 2000),
         ("zero 64 pre-encoded tails, graph path", lambda: graphs.zero_encoded(parts64), 500),
         (
             "zero 64 tail lines (the worker's path), graph path",

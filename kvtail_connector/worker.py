@@ -22,7 +22,7 @@ from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cach
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
-from kvtail_connector.ops.zeroer import Line
+from kvtail_connector.ops.work import Line
 from kvtail_connector.probe import probe_items
 from kvtail_connector.read_tails import LayerWork, ReadTailsByLayer
 from kvtail_connector.stats import KVTailStats

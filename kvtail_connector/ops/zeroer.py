@@ -7,10 +7,9 @@ CUDA, or one vectorized torch pass per group elsewhere.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,85 +23,18 @@ from kvtail_connector.ops.geometry import (
     describe_caches,
     whole_block_rows,
 )
+from kvtail_connector.ops.work import (
+    Encoded,
+    Line,
+    line_work,
+    parts_work,
+    row_table,
+    row_unit,
+    same_items_work,
+)
 
 CacheLike = torch.Tensor | RegionCache
 Backend = Literal["auto", "triton", "torch"]
-
-
-def _unit(row: Row) -> int:
-    return 4 if row.word_aligned else 1
-
-
-def _vectorizable(row: Row) -> bool:
-    """16-byte stores are exact: aligned page and runs of whole 16-byte vectors."""
-    return (
-        row.slot_stride == row.run
-        and row.base % 16 == 0
-        and row.block_stride % 16 == 0
-        and row.run % 16 == 0
-    )
-
-
-def _row_table(rows: list[Row]) -> np.ndarray:
-    table = np.zeros((max(len(rows), 1), L.ROW_COLS), dtype=np.int64)
-    for i, r in enumerate(rows):
-        unit = _unit(r)
-        table[i] = (
-            r.base,
-            r.block_stride,
-            r.slot_stride // unit,
-            r.run // unit,
-            r.n_slots,
-            r.first_slot,
-            unit,
-            int(_vectorizable(r)),
-        )
-    return table
-
-
-def _header(
-    n_whole: int, w_rows: int, w_chunks: int, n_tail: int, t_rows: int, t_chunks: int
-) -> tuple[list[int], int]:
-    """The kernel's work header (see the kernel docstring) and its work units."""
-    units = n_whole * w_rows * w_chunks + n_tail * t_rows * t_chunks
-    if units > L.MAX_UNITS:
-        raise ValueError(
-            f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
-        )
-    return [n_whole, w_rows, w_chunks, n_tail, t_rows, t_chunks, 0, 0], units
-
-
-class Line(NamedTuple):
-    """One item and its kernel work line (see :meth:`KVZeroer.line`)."""
-
-    item: tuple[int, int, int]  # group, block, first slot
-    work: tuple[int, int, int, int]  # block, first slot, first row, row count
-    rows: int
-    chunks: int
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """Items turned into kernel work lines (see :meth:`KVZeroer.encode`).
-
-    Attributes:
-        items: the live (group, block, first) items, for the torch path.
-        whole, tails: ``[k, ITEM_COLS]`` work lines of whole blocks / tails.
-        whole_rows, whole_chunks, tail_rows, tail_chunks: the largest row
-            count and chunk count among those lines (the kernel's header).
-    """
-
-    items: np.ndarray
-    whole: np.ndarray
-    tails: np.ndarray
-    whole_rows: int
-    whole_chunks: int
-    tail_rows: int
-    tail_chunks: int
-
-    @property
-    def num_items(self) -> int:
-        return int(self.items.shape[0])
 
 
 @dataclass
@@ -229,7 +161,10 @@ class KVZeroer:
         self._row_start = np.zeros_like(self._row_count)
         self._row_start[1:] = np.cumsum(self._row_count)[:-1]
         self._max_span = np.array(
-            [max((r.n_slots * r.run // _unit(r) for r in rows), default=0) for rows in all_lists],
+            [
+                max((r.n_slots * r.run // row_unit(r) for r in rows), default=0)
+                for rows in all_lists
+            ],
             dtype=np.int64,
         )
         self.num_rows = sum(len(rows) for rows in slot_rows)
@@ -246,7 +181,7 @@ class KVZeroer:
         ] = {}
         self._launcher: L.KernelLauncher | None = None
         if self.backend == "triton":
-            table = torch.from_numpy(_row_table([r for rows in all_lists for r in rows]))
+            table = torch.from_numpy(row_table([r for rows in all_lists for r in rows]))
             self._launcher = L.KernelLauncher(
                 self.device, table.to(self.device), use_graphs=use_graphs
             )
@@ -348,7 +283,7 @@ class KVZeroer:
         if self._launcher is None:
             self._zero_torch(np.array([ln.item for ln in lines], dtype=np.int64))
             return len(lines)
-        self._launcher.run(*self._line_work(lines))
+        self._launcher.run(*line_work(lines))
         return len(lines)
 
     def stage_groups(
@@ -371,12 +306,14 @@ class KVZeroer:
             return StagedGroups(self, None, [(0, 0) if x else None for x in lines], lines)
         uniform = self._uniform_facts(tuple(groups))
         if uniform is not None:
-            segments = self._same_items_work(groups, blocks_firsts, *uniform)
+            index = np.asarray(groups, dtype=np.int64)
+            starts = (self._row_start[index], self._row_start[self._n_groups + index])
+            segments = same_items_work(starts, blocks_firsts, *uniform)
         else:
             segments = []
             for g in groups:
                 batch = [ln for ln in (self.line(g, b, f) for b, f in blocks_firsts) if ln]
-                segments.append(self._line_work(batch) if batch else None)
+                segments.append(line_work(batch) if batch else None)
         spans: list[tuple[int, int] | None] = []
         offset = 0
         for seg in segments:
@@ -412,89 +349,10 @@ class KVZeroer:
             self._uniform[groups] = facts[0] if all(f == facts[0] for f in facts) else None
         return self._uniform[groups]
 
-    def _same_items_work(
-        self,
-        groups: Sequence[int],
-        blocks_firsts: Sequence[tuple[int, int]],
-        any_slots: int,
-        tail_facts: tuple[int, int],
-        whole_facts: tuple[int, int],
-    ) -> list[tuple[np.ndarray, int] | None]:
-        """Per group, the work buffer zeroing ``blocks_firsts`` (groups of one
-        geometry: only the row table offsets differ)."""
-        (t_count, t_chunks), (w_count, w_chunks) = tail_facts, whole_facts
-        bf = np.asarray(blocks_firsts, dtype=np.int64).reshape(-1, 2)
-        whole = bf[(bf[:, 1] == 0) & (w_count > 0)]
-        tails = bf[(bf[:, 1] > 0) & (bf[:, 1] < any_slots) & (t_count > 0)]
-        n = len(whole) + len(tails)
-        if n == 0:
-            return [None] * len(groups)
-        header, units = _header(
-            len(whole),
-            w_count if len(whole) else 0,
-            w_chunks if len(whole) else 0,
-            len(tails),
-            t_count if len(tails) else 0,
-            t_chunks if len(tails) else 0,
-        )
-        work = np.empty((len(groups), L.HEADER + n * L.ITEM_COLS), dtype=np.int64)
-        work[:, : L.HEADER] = header
-        body = work[:, L.HEADER :].reshape(len(groups), n, L.ITEM_COLS)
-        body[:, :, :2] = np.concatenate([whole, tails])
-        g = np.asarray(groups, dtype=np.int64)
-        body[:, : len(whole), 2] = self._row_start[self._n_groups + g][:, None]
-        body[:, : len(whole), 3] = w_count
-        body[:, len(whole) :, 2] = self._row_start[g][:, None]
-        body[:, len(whole) :, 3] = t_count
-        return [(row, units) for row in work]
-
     def record_done(self) -> None:
         """Record :attr:`last_launch_done` behind every launch so far (CUDA)."""
         if self._launcher is not None:
             self._launcher.record_done()
-
-    def _line_work(self, lines: Sequence[Line]) -> tuple[np.ndarray, int]:
-        """The kernel's work buffer for ``lines`` and its work units."""
-        whole = [ln for ln in lines if ln.item[2] == 0]
-        tails = [ln for ln in lines if ln.item[2] != 0] if whole else lines
-        header, units = _header(
-            len(whole),
-            max((ln.rows for ln in whole), default=0),
-            max((ln.chunks for ln in whole), default=0),
-            len(tails),
-            max((ln.rows for ln in tails), default=0),
-            max((ln.chunks for ln in tails), default=0),
-        )
-        rows = itertools.chain((header,), (ln.work for ln in whole), (ln.work for ln in tails))
-        work = np.fromiter(
-            itertools.chain.from_iterable(rows),
-            dtype=np.int64,
-            count=L.HEADER + L.ITEM_COLS * len(lines),
-        )
-        return work, units
-
-    def _work(self, parts: Sequence[Encoded]) -> tuple[np.ndarray, int]:
-        """The kernel's work buffer (header + whole-block lines + tail lines)."""
-        if len(parts) == 1:
-            whole, tails = parts[0].whole, parts[0].tails
-        else:
-            whole = np.concatenate([p.whole for p in parts])
-            tails = np.concatenate([p.tails for p in parts])
-        n_whole = len(whole)
-        header, units = _header(
-            n_whole,
-            max(p.whole_rows for p in parts),
-            max(p.whole_chunks for p in parts),
-            len(tails),
-            max(p.tail_rows for p in parts),
-            max(p.tail_chunks for p in parts),
-        )
-        work = np.empty(L.HEADER + (n_whole + len(tails)) * L.ITEM_COLS, dtype=np.int64)
-        work[: L.HEADER] = header
-        body = work[L.HEADER :].reshape(-1, L.ITEM_COLS)
-        body[:n_whole] = whole
-        body[n_whole:] = tails
-        return work, units
 
     def zero_encoded(self, parts: Sequence[Encoded]) -> int:
         """Zero everything ``parts`` describe, in one launch. Returns items zeroed."""
@@ -504,7 +362,7 @@ class KVZeroer:
         if self._launcher is None:
             self._zero_torch(np.concatenate([p.items for p in parts]))
         else:
-            self._launcher.run(*self._work(parts))
+            self._launcher.run(*parts_work(parts))
         return sum(p.num_items for p in parts)
 
     def prepare(self, items: np.ndarray, *, validate: bool = True) -> Prepared | None:
@@ -514,7 +372,7 @@ class KVZeroer:
             return None
         if self._launcher is None:
             return Prepared(self, encoded.items, None, 0)
-        work, units = self._work([encoded])
+        work, units = parts_work([encoded])
         return Prepared(self, encoded.items, self._launcher.stage(work), units)
 
     def zero(self, items: np.ndarray, *, validate: bool = True) -> int:
