@@ -300,9 +300,7 @@ class KVZeroer:
         if not groups or not blocks_firsts:
             return StagedGroups(self, None, none, [])
         if self._launcher is None:
-            lines = [
-                [ln for ln in (self.line(g, b, f) for b, f in blocks_firsts) if ln] for g in groups
-            ]
+            lines = [self._group_lines(g, blocks_firsts) for g in groups]
             return StagedGroups(self, None, [(0, 0) if x else None for x in lines], lines)
         uniform = self._uniform_facts(tuple(groups))
         if uniform is not None:
@@ -310,10 +308,8 @@ class KVZeroer:
             starts = (self._row_start[index], self._row_start[self._n_groups + index])
             segments = same_items_work(starts, blocks_firsts, *uniform)
         else:
-            segments = []
-            for g in groups:
-                batch = [ln for ln in (self.line(g, b, f) for b, f in blocks_firsts) if ln]
-                segments.append(line_work(batch) if batch else None)
+            batches = [self._group_lines(g, blocks_firsts) for g in groups]
+            segments = [line_work(batch) if batch else None for batch in batches]
         spans: list[tuple[int, int] | None] = []
         offset = 0
         for seg in segments:
@@ -328,6 +324,10 @@ class KVZeroer:
         # kernel assumes of its work pointer (16-byte divisibility).
         base = self._launcher.stage(np.concatenate([seg[0] for seg in segments if seg]))
         return StagedGroups(self, base, spans, [])
+
+    def _group_lines(self, group: int, blocks_firsts: Sequence[tuple[int, int]]) -> list[Line]:
+        """The live lines of ``(block, first slot)`` items in ``group``."""
+        return [ln for ln in (self.line(group, b, f) for b, f in blocks_firsts) if ln]
 
     def _uniform_facts(
         self, groups: tuple[int, ...]
