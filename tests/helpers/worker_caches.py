@@ -8,6 +8,7 @@ sentinel so untouched bytes are recognisable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -18,6 +19,10 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.worker import RankPlacement, TailWorker
 
 POISON = float("nan")
 
@@ -61,3 +66,13 @@ def allocate(
             views[name] = view
         raws[gid] = raw
     return WorkerCaches(views, raws)
+
+
+def make_tail_worker(kv_cache_config: KVCacheConfig, **kw: Any) -> TailWorker:
+    """A rank-0, no-DCP ``TailWorker`` zeroing tails (not failed loads, no probe)
+    unless ``kw`` says otherwise."""
+    kw.setdefault("zero_tails", True)
+    kw.setdefault("zero_failed_loads", False)
+    kw.setdefault("probe", False)
+    kw.setdefault("stats", KVTailStats())
+    return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), **kw)

@@ -519,12 +519,9 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
     # layer's READ lands (the producer's whole pages, NaN-bearing tail included)
     # after the backend already wrote the recomputed token 99 (slot 3 of block 6);
     # the worker must zero slots 4..15 of that block and nothing else.
-    from kvtail_connector.kvgroups import group_infos
     from kvtail_connector.ops import reference_zero_kv_blocks
-    from kvtail_connector.stats import KVTailStats
-    from kvtail_connector.worker import RankPlacement, TailWorker
     from tests.helpers.layouts import rebase
-    from tests.helpers.worker_caches import allocate
+    from tests.helpers.worker_caches import allocate, make_tail_worker
 
     kv = _mixed()
     run = make_run(wrapped=True, kv_cache_config=kv, enable_prefix_caching=True)
@@ -539,15 +536,7 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
     dests = run.inner_meta(out).reqs_to_recv["read"].local_block_ids
 
     caches = allocate(kv)
-    worker = TailWorker(
-        group_infos(kv, 1),
-        RankPlacement(),
-        zero_tails=True,
-        zero_failed_loads=False,
-        probe=False,
-        read_tails_by_layer=per_layer,
-        stats=KVTailStats(),
-    )
+    worker = make_tail_worker(kv, read_tails_by_layer=per_layer)
     worker.register_kv_caches(caches.views, kv)
     worker.bind(out.kv_connector_metadata)
     if per_layer:

@@ -20,14 +20,12 @@ from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvtail_connector import _compat  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
 from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers.layouts import rebase  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import allocate  # noqa: E402
+from tests.helpers.worker_caches import allocate, make_tail_worker  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -47,15 +45,7 @@ def setup():
     kv = make_kv_cache_config(block_size=16, num_blocks=8, dtype=torch.bfloat16, layer_names=LAYERS)
     caches = allocate(kv)
     stats = KVTailStats()
-    worker = TailWorker(
-        group_infos(kv, 1),
-        RankPlacement(),
-        zero_tails=True,
-        zero_failed_loads=False,
-        probe=True,
-        read_tails_by_layer=True,
-        stats=stats,
-    )
+    worker = make_tail_worker(kv, probe=True, read_tails_by_layer=True, stats=stats)
     worker.register_kv_caches(caches.views, kv)
     worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     return SimpleNamespace(kv=kv, caches=caches, worker=worker, stats=stats)
@@ -70,9 +60,12 @@ def _land_read(view: torch.Tensor, seed: int) -> None:
         view[block, :, -1, 0] = float("nan")  # at least one NaN in each tail
 
 
-def _expected(s: SimpleNamespace, zeroed: list[str]) -> torch.Tensor:
-    """The backing as it is now, with the tails of ``zeroed`` layers zeroed."""
-    expected = s.caches.raw[0].clone()
+def _expected(
+    s: SimpleNamespace, zeroed: list[str], backing: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``backing`` (default: the backing as it is now) with the tails of
+    ``zeroed`` layers zeroed."""
+    expected = (s.caches.raw[0] if backing is None else backing).clone()
     views = rebase([s.caches.views[name] for name in zeroed], expected)
     reference_zero_kv_blocks(views, (), TAILS)
     return expected
@@ -87,7 +80,7 @@ def test_each_layer_is_zeroed_right_after_its_reads_land(setup):
         before_zeroing = s.caches.raw[0].clone()
         s.worker.layer_loaded(name)
         # Exactly this layer's tails; the layers still waiting are untouched.
-        assert torch.equal(s.caches.raw[0], _expected_from(before_zeroing, s, [name]))
+        assert torch.equal(s.caches.raw[0], _expected(s, [name], before_zeroing))
         assert not s.caches.views[name][6, :, 5:].isnan().any()
         assert s.caches.views[name][6, :, :5].isnan().any()  # valid slots keep their bytes
     assert s.worker.num_tracked == 0
@@ -95,12 +88,6 @@ def test_each_layer_is_zeroed_right_after_its_reads_land(setup):
     assert s.stats.data["tails_zeroed"] == 2
     assert s.stats.data["probed_tails"] == 2  # one report per request, not per layer
     assert s.stats.data["stale_nonfinite_values"] > 0
-
-
-def _expected_from(backing: torch.Tensor, s: SimpleNamespace, layers: list[str]) -> torch.Tensor:
-    expected = backing.clone()
-    reference_zero_kv_blocks(rebase([s.caches.views[n] for n in layers], expected), (), TAILS)
-    return expected
 
 
 def test_a_second_wait_for_the_same_layer_zeroes_nothing_more(setup):
@@ -144,14 +131,7 @@ def test_without_per_layer_support_the_reads_are_zeroed_at_start():
     # 0.33 (read_tails_by_layer False): READs have always landed at start.
     kv = make_kv_cache_config(block_size=16, num_blocks=8, layer_names=LAYERS)
     caches = allocate(kv)
-    worker = TailWorker(
-        group_infos(kv, 1),
-        RankPlacement(),
-        zero_tails=True,
-        zero_failed_loads=False,
-        probe=False,
-        stats=KVTailStats(),
-    )
+    worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv)
     worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     expected = caches.raw[0].clone()

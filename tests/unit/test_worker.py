@@ -12,22 +12,13 @@ pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
 from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers.layouts import rebase  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import allocate  # noqa: E402
+from tests.helpers.worker_caches import allocate, make_tail_worker  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
-
-
-def make_worker(kv, **kw):
-    kw.setdefault("zero_tails", True)
-    kw.setdefault("zero_failed_loads", False)
-    return TailWorker(group_infos(kv, 1), RankPlacement(), probe=False, stats=KVTailStats(), **kw)
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
@@ -39,7 +30,7 @@ def test_tails_byte_exact_in_every_layout(layout, dtype):
     for raw in caches.raw.values():
         raw.copy_(torch.randint(-100, 100, raw.shape, dtype=torch.int8, generator=gen))
     expected = {g: raw.clone() for g, raw in caches.raw.items()}
-    worker = make_worker(kv)
+    worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # tail: block 7, 5 tokens
@@ -58,7 +49,7 @@ def test_null_tail_block_is_skipped():
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     before = caches.raw[0].clone()
-    worker = make_worker(kv)
+    worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv)
     record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, NULL_BLOCK)),))
     worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
@@ -83,7 +74,7 @@ class _Event:
 
 @pytest.mark.parametrize(("done", "calls"), [(True, ["query"]), (False, ["query", "synchronize"])])
 def test_fence_waits_for_earlier_zeroing_only_when_pending(done, calls):
-    worker = make_worker(make_kv_cache_config(block_size=16, num_blocks=8))
+    worker = make_tail_worker(make_kv_cache_config(block_size=16, num_blocks=8))
     worker.fence()  # nothing zeroed yet (and always so on CPU): no wait
     event = _Event(done)
     worker._last_zeroing = event  # what a CUDA zeroing launch records
@@ -126,7 +117,7 @@ def test_load_bound_while_caches_were_unregistered_is_still_zeroed():
     # turned into work lines at completion, once the caches are back.
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
-    worker = make_worker(kv)
+    worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv)
     worker.unregister_kv_caches()
     record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),))
