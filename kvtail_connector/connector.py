@@ -219,7 +219,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.fence()
         self._inner.start_load_kv(forward_context, **kwargs)
-        if self._worker is not None and self._sync_read:
+        if self._worker is not None and self._worker.has_read_loads:
             self._worker.reads_started(_compat.moriio_reads_landed_at_start(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -180,6 +180,11 @@ class TailWorker:
             event.synchronize()
 
     @property
+    def has_read_loads(self) -> bool:
+        """READ loads bound this step wait for ``reads_started``."""
+        return bool(self._read_loads)
+
+    @property
     def num_tracked(self) -> int:
         """Loads (and layers with READ tails) this worker still holds (0 when
         idle: the leak check)."""

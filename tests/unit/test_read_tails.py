@@ -169,6 +169,7 @@ def test_wrapper_hooks_reach_the_worker_in_order():
             lambda *a, _h=hook, _o=original, **k: (order.append((_h, None)), _o(*a, **k))[1],
         )
     ctx = SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+    worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     wrapper.start_load_kv(ctx)
     wrapper.wait_for_layer_load(LAYERS[0])
     wrapper.clear_connector_metadata()
