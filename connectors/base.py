@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 
 class BackendAdapter:
-    """Defaults for a connector that needs nothing special (any async loader).
-
-    Attributes:
-        family: short name used in logs and errors.
-        extra: the ``kvtail-connector[...]`` extra that installs the transport.
-    """
-
-    family: ClassVar[str] = "generic"
-    extra: ClassVar[str | None] = None
+    """Defaults for a connector that needs nothing special (any async loader)."""
 
     def __init__(self, inner_extra_config: dict[str, Any]) -> None:
         self.inner_extra_config = inner_extra_config

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from .base import BackendAdapter
 
 
@@ -11,6 +9,3 @@ class MooncakeStoreAdapter(BackendAdapter):
     """Store hits fill only the hit length of the last block (a multiple of
     ``prefix_match_unit``); the rest of it keeps its previous owner's bytes.
     Nothing about it is name-keyed in vLLM, so there is nothing to re-check."""
-
-    family: ClassVar[str] = "mooncake"
-    extra: ClassVar[str | None] = "mooncake"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 from .base import BackendAdapter
 
@@ -12,9 +12,6 @@ class MoRIIOAdapter(BackendAdapter):
     """In READ mode the load is synchronous, so vLLM records its destination
     blocks for zeroing; the zeroing kernel can run after the RDMA READ landed.
     The wrapper drops READ destinations from ``new_block_ids_to_zero``."""
-
-    family: ClassVar[str] = "moriio"
-    extra: ClassVar[str | None] = "moriio"
 
     @property
     def sync_read(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from .base import BackendAdapter
 
@@ -11,9 +11,6 @@ class NixlAdapter(BackendAdapter):
     """NIXL copies whole blocks, producer tail included; vLLM's own NIXL
     post-processing zeroes only what a transfer clipped (heterogeneous block
     sizes), so the wrapper still zeroes from the loaded count on."""
-
-    family: ClassVar[str] = "nixl"
-    extra: ClassVar[str | None] = "nixl"
 
     def validate(self, vllm_config: Any, backend_name: str) -> None:
         parallel = vllm_config.parallel_config
