@@ -19,6 +19,7 @@ import torch
 
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cache_slots
+from kvtail_connector.load_errors import LoadErrorLedger
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
@@ -106,10 +107,7 @@ class TailWorker:
         self._read_tails_by_layer = read_tails_by_layer
         self._by_layer: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
-        # Invalid block ids seen for loads still in flight, and ids fetched
-        # from the inner connector early that the runner has not collected.
-        self._load_errors: set[int] = set()
-        self._reported_errors: set[int] = set()
+        self._errors = LoadErrorLedger()
         self._last_zeroing: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -166,6 +164,9 @@ class TailWorker:
             # built at completion instead.
             tails = self._zeroing(record.req_id, self._tail_items(record)) if self._zeroer else None
             self._loads[record.req_id] = _Pending(record, tails)
+            self._errors.track(
+                record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
+            )
         self._read_loads.extend(meta.read_loads)
 
     def fence(self) -> None:
@@ -189,19 +190,15 @@ class TailWorker:
         """Loads (and layers with READ tails) this worker still holds (0 when
         idle: the leak check)."""
         waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
-        return len(self._loads) + len(self._read_loads) + waiting_layers
+        return len(self._loads) + len(self._read_loads) + waiting_layers + self._errors.num_tracked
 
     # ------------------------------------------------------------ completion
 
     def take_load_errors(self, inner: Any) -> set[int]:
         """The runner's ``get_block_ids_with_load_errors``: the inner connector's
-        ids (some fetched earlier, in ``on_transfer_results``), noted for
-        loads still in flight."""
-        errors = self._reported_errors | inner.get_block_ids_with_load_errors()
-        self._reported_errors = set()
-        if errors and self._loads:
-            self._load_errors |= errors
-        return errors
+        ids (some fetched earlier, in ``on_transfer_results``), each kept only
+        for the load in flight that writes the block."""
+        return self._errors.take(inner)
 
     def on_transfer_results(
         self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
@@ -209,11 +206,9 @@ class TailWorker:
         """Zero the tails of completed loads (and failed loads' blocks) in one launch."""
         if not self._loads:
             return
-        if self._zero_failed:
-            # This step's invalid blocks are needed now, before the runner asks.
-            fresh = inner.get_block_ids_with_load_errors()
-            self._reported_errors |= fresh
-            self._load_errors |= fresh
+        # A completing load's invalid blocks arrive at the latest in this pass:
+        # needed now, before the runner asks for them.
+        self._errors.fetch(inner)
         failed = set(failed_recving)
         done = [p for p in (self._loads.pop(req, None) for req in finished_recving) if p]
         if not done:
@@ -222,7 +217,7 @@ class TailWorker:
         failures = tails = 0
         for pending in done:
             record = pending.record
-            invalid = self._first_invalid(record) if self._load_errors else None
+            invalid = _first_invalid(record, self._errors.release(record.req_id))
             if record.req_id in failed or invalid is not None:
                 failures += 1
                 if self._zero_failed:
@@ -237,7 +232,6 @@ class TailWorker:
             self._stats.add("failed_loads", failures)
         if tails:
             self._stats.add("tails_zeroed", tails)
-        self._forget_errors()
         self._zero(batches)
 
     def reads_started(self, landed: bool) -> None:
@@ -345,23 +339,6 @@ class TailWorker:
                 items.append((s.index, block, first))
         return items
 
-    def _forget_errors(self) -> None:
-        if self._load_errors:
-            pending = {
-                b for p in self._loads.values() for g in p.record.groups for b in g.block_ids
-            }
-            self._load_errors &= pending
-
-    def _first_invalid(self, record: LoadRecord) -> tuple[int, int] | None:
-        """(group, index in its block list) of the load's first invalid block."""
-        if not self._load_errors:
-            return None
-        for load in record.groups:
-            for i, block in enumerate(load.block_ids):
-                if block in self._load_errors:
-                    return load.group, i
-        return None
-
     def _failed_items(
         self, record: LoadRecord, invalid: tuple[int, int] | None
     ) -> list[tuple[int, int, int]]:
@@ -413,3 +390,14 @@ class TailWorker:
                     nonfinite,
                     nonzero,
                 )
+
+
+def _first_invalid(record: LoadRecord, invalid: set[int]) -> tuple[int, int] | None:
+    """(group, index in its block list) of the load's first invalid block."""
+    if not invalid:
+        return None
+    for load in record.groups:
+        for i, block in enumerate(load.block_ids):
+            if block in invalid:
+                return load.group, i
+    return None

@@ -21,6 +21,9 @@ Per request, everything is driven by ``kv_transfer_params``:
 * ``double_invalid_block_indices: [i, ...]``: when the load finishes, the block
   ids at these indices of the request's first KV cache group are reported
   through ``get_block_ids_with_load_errors`` in the same step.
+* ``double_invalid_late: True``: report those ids one pass *after* the load
+  finished instead (a transport that breaks vLLM's "no later than the
+  finishing pass" rule).
 
 Tests holding the worker instance can also call ``fail_request`` or
 ``report_invalid_blocks`` directly.
@@ -63,6 +66,7 @@ LOAD_TOKENS_KEY = "double_load_tokens"
 FINISH_AFTER_KEY = "double_finish_after_steps"
 FAIL_KEY = "double_fail"
 INVALID_BLOCKS_KEY = "double_invalid_block_indices"
+INVALID_LATE_KEY = "double_invalid_late"
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class LoadSpec:
     finish_after_steps: int
     fail: bool
     invalid_block_indices: tuple[int, ...]
+    invalid_late: bool = False
 
 
 @dataclass
@@ -118,6 +123,7 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
         self._forced_failures: set[str] = set()
         self._forced_invalid: defaultdict[str, set[int]] = defaultdict(set)
         self._load_errors_to_report: set[int] = set()
+        self._late_load_errors: set[int] = set()  # reported one pass late
         self.finished_req_ids_seen: set[str] = set()
 
     # ------------------------------------------------------------ scheduler side
@@ -160,6 +166,7 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
             finish_after_steps=int(params.get(FINISH_AFTER_KEY, self.default_finish_after_steps)),
             fail=bool(params.get(FAIL_KEY, False)),
             invalid_block_indices=tuple(params.get(INVALID_BLOCKS_KEY, ())),
+            invalid_late=bool(params.get(INVALID_LATE_KEY, False)),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> AsyncLoadDoubleMetadata:
@@ -230,6 +237,8 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
         # Aborted requests keep loading: like a real transport, the load is
         # reported finished anyway, and that is what frees their blocks.
         self.finished_req_ids_seen |= finished_req_ids
+        self._load_errors_to_report |= self._late_load_errors
+        self._late_load_errors = set()
         results = KVConnectorTransferResults()
         for req_id in list(self._inflight):
             load = self._inflight[req_id]
@@ -242,8 +251,12 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
                 results.failed_recving.add(req_id)
             self._forced_failures.discard(req_id)
             first_group = load.spec.block_ids[0] if load.spec.block_ids else []
-            self._load_errors_to_report |= {first_group[i] for i in load.spec.invalid_block_indices}
-            self._load_errors_to_report |= self._forced_invalid.pop(req_id, set())
+            errors = {first_group[i] for i in load.spec.invalid_block_indices}
+            errors |= self._forced_invalid.pop(req_id, set())
+            if load.spec.invalid_late:
+                self._late_load_errors |= errors
+            else:
+                self._load_errors_to_report |= errors
         self.calls.append(
             (
                 "get_transfer_results",
@@ -261,6 +274,7 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
         return not (
             self._inflight
             or self._load_errors_to_report
+            or self._late_load_errors
             or self._forced_invalid
             or self._forced_failures
         )

@@ -76,3 +76,18 @@ def make_tail_worker(kv_cache_config: KVCacheConfig, **kw: Any) -> TailWorker:
     kw.setdefault("probe", False)
     kw.setdefault("stats", KVTailStats())
     return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), **kw)
+
+
+class ErrorSource:
+    """The inner connector's ``get_block_ids_with_load_errors``, for worker tests:
+    hands out the ids of each ``report`` once, like a transport."""
+
+    def __init__(self) -> None:
+        self._queued: set[int] = set()
+
+    def report(self, *block_ids: int) -> None:
+        self._queued |= set(block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._queued = self._queued, set()
+        return out

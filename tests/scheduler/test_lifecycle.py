@@ -10,8 +10,6 @@ be zero, the loaded tokens intact, and every other byte untouched.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -20,125 +18,22 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvtail_connector import dcp_local_valid_slots  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
 from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers import async_double  # noqa: E402
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
 from tests.helpers.vllm_factories import (  # noqa: E402
-    assert_scheduler_empty,
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
     make_request,
     make_scheduler,
     make_vllm_config,
-    make_worker_connector,
-    run_step,
 )
-from tests.helpers.worker_caches import allocate  # noqa: E402
+from tests.helpers.worker_caches import ErrorSource, allocate  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
-
-BLOCK = 16
-LOADED = 1.0  # what the simulated transport writes
-
-
-class Harness:
-    """A real scheduler and worker, both running KVTailConnector."""
-
-    def __init__(self, zero_tails: str = "always", kv_cache_config: Any = None, **kw: Any):
-        extra = {
-            "backend": "AsyncLoadDouble",
-            "backend_module_path": async_double.MODULE_PATH,
-            "zero_tails": zero_tails,
-            "backend_extra_config": kw.pop("backend_extra_config", {}),
-        }
-        kw.setdefault("kv_load_failure_policy", "recompute")
-        self.vllm_config = make_vllm_config(
-            kv_connector="KVTailConnector",
-            kv_connector_module_path="kvtail_connector",
-            kv_connector_extra_config=extra,
-            **kw,
-        )
-        self.scheduler = make_scheduler(self.vllm_config, kv_cache_config)
-        self.kv_cache_config = self.scheduler.kv_cache_config
-        self.worker = make_worker_connector(self.vllm_config, self.kv_cache_config)
-        assert isinstance(self.scheduler.connector, KVTailConnector)
-        assert isinstance(self.worker, KVTailConnector)
-        self.caches = allocate(self.kv_cache_config)
-        self.worker.register_kv_caches(self.caches.views)
-        self.metas: list[KVTailMetadata] = []
-        # What the worker reported through KVConnectorOutput, summed.
-        self.stats = KVTailStats()
-        report = self.worker.get_kv_connector_stats
-
-        def capture() -> Any:
-            stats = report()
-            if stats is not None:
-                self.stats.aggregate(KVTailStats.from_dict(stats.to_dict()))
-            return stats
-
-        self.worker.get_kv_connector_stats = capture  # type: ignore[method-assign]
-
-    @property
-    def inner_scheduler(self) -> Any:
-        return self.scheduler.connector.inner
-
-    def add(self, req_id: str, num_tokens: int, max_tokens: int = 4, **params: Any) -> Any:
-        request = make_request(
-            req_id,
-            num_tokens,
-            block_size=self.scheduler.hash_block_size,
-            kv_transfer_params=params or None,
-            max_tokens=max_tokens,
-        )
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self) -> Any:
-        out, _ = run_step(self.scheduler, self.worker)
-        assert isinstance(out.kv_connector_metadata, KVTailMetadata)
-        self.metas.append(out.kv_connector_metadata)
-        return out
-
-    def land(self, req_id: str, group: int, num_local: int, num_loaded: int) -> None:
-        """The transport writes tokens [num_local, num_loaded) of ``req_id``."""
-        ids = self.inner_scheduler.blocks_by_req[req_id][group]
-        bs = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size
-        for layer in self.kv_cache_config.kv_cache_groups[group].layer_names:
-            view = self.caches.views[layer]
-            for t in range(num_local, num_loaded):
-                view[ids[t // bs], :, t % bs, :] = LOADED
-
-    def finish(self, max_steps: int = 50) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                break
-            self.step()
-        else:
-            raise AssertionError("requests did not finish")
-        self.scheduler.schedule()
-        assert_scheduler_empty(self.scheduler)
-        assert self.worker.scheduler_state_is_empty(), "the worker kept load records"
-
-    def records(self) -> list[Any]:
-        return [r for m in self.metas for r in m.loads]
-
-
-def slot_state(view: torch.Tensor, block: int) -> list[str]:
-    """Per slot of a block: 'loaded', 'zero' or 'stale' (anything else)."""
-    out = []
-    for s in range(view.shape[2]):
-        slot = view[block, :, s, :]
-        if torch.all(slot == LOADED):
-            out.append("loaded")
-        elif torch.all(slot == 0):
-            out.append("zero")
-        else:
-            out.append("stale")
-    return out
 
 
 def test_tail_shipped_once_and_zeroed_at_completion():
@@ -280,7 +175,7 @@ def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
         )
         worker.register_kv_caches(caches.views, scheduler.kv_cache_config)
         worker.bind(meta)
-        worker.on_transfer_results({"r1"}, set(), inner=None)
+        worker.on_transfer_results({"r1"}, set(), inner=ErrorSource())
         valid = dcp_local_valid_slots(2712, rank, 8, 1)
         assert valid == 339  # 2,712 tokens dealt one by one to 8 ranks
         view = next(iter(caches.views.values()))

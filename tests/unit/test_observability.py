@@ -21,7 +21,7 @@ from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # n
 from kvtail_connector.stats import COUNTERS, KVTailStats  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.helpers.worker_caches import allocate  # noqa: E402
+from tests.helpers.worker_caches import ErrorSource, allocate  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -113,7 +113,7 @@ def test_probe_counts_the_nan_bytes_of_a_poisoned_tail_exactly(caplog):
     logging.getLogger(PARENT).addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger=PARENT):
-            worker.on_transfer_results({"req-7"}, set(), inner=None)
+            worker.on_transfer_results({"req-7"}, set(), inner=ErrorSource())
     finally:
         logging.getLogger(PARENT).removeHandler(caplog.handler)
     layers = len(caches.views)
@@ -132,7 +132,7 @@ def test_probe_counts_the_nan_bytes_of_a_poisoned_tail_exactly(caplog):
 
 def test_probe_off_counts_nothing():
     worker, caches, stats = _worker_with_poisoned_tail(probe=False)
-    worker.on_transfer_results({"req-7"}, set(), inner=None)
+    worker.on_transfer_results({"req-7"}, set(), inner=ErrorSource())
     assert stats["probed_tails"] == 0 and stats["stale_nonzero_bytes"] == 0
     assert stats["tails_zeroed"] == 1
     assert not np.isnan(next(iter(caches.views.values()))[3].numpy()).any()

@@ -16,7 +16,7 @@ from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, Loa
 from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
 from tests.helpers.layouts import rebase  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import allocate, make_tail_worker  # noqa: E402
+from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -38,7 +38,7 @@ def test_tails_byte_exact_in_every_layout(layout, dtype):
         LoadRecord("c", 0, 32, (GroupLoad(0, 0, (3, 0)),)),  # block-aligned: nothing
     )
     worker.bind(KVTailMetadata(inner=None, loads=loads))  # type: ignore[arg-type]
-    worker.on_transfer_results({"a", "b", "c"}, set(), inner=None)
+    worker.on_transfer_results({"a", "b", "c"}, set(), inner=ErrorSource())
     views = rebase(list(caches.views.values()), expected[0])
     reference_zero_kv_blocks(views, (), [(7, 5), (6, 1)])
     assert torch.equal(caches.raw[0], expected[0])
@@ -53,7 +53,7 @@ def test_null_tail_block_is_skipped():
     worker.register_kv_caches(caches.views, kv)
     record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, NULL_BLOCK)),))
     worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
-    worker.on_transfer_results({"a"}, set(), inner=None)
+    worker.on_transfer_results({"a"}, set(), inner=ErrorSource())
     assert torch.equal(caches.raw[0], before)
 
 
@@ -125,5 +125,32 @@ def test_load_bound_while_caches_were_unregistered_is_still_zeroed():
     worker.restore_kv_caches()
     expected = caches.raw[0].clone()
     reference_zero_kv_blocks(rebase(list(caches.views.values()), expected), (), [(7, 5)])
-    worker.on_transfer_results({"a"}, set(), inner=None)
+    worker.on_transfer_results({"a"}, set(), inner=ErrorSource())
     assert torch.equal(caches.raw[0], expected)
+
+
+def test_an_error_reported_for_a_finished_load_never_marks_the_blocks_next_owner():
+    # vLLM re-zeroes failed loads here (zero_failed_loads off). A block id
+    # reported for load "a", collected by the runner while "c" is in flight,
+    # used to survive "a" and make "d" (given a's freed blocks) count as
+    # failed: d's tail was then left stale.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    worker = make_tail_worker(kv)
+    worker.register_kv_caches(caches.views, kv)
+    inner = ErrorSource()
+    a = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 6)),))
+    c = LoadRecord("c", 0, 20, (GroupLoad(0, 0, (1, 3)),))
+    worker.bind(KVTailMetadata(inner=None, loads=(a, c)))  # type: ignore[arg-type]
+    inner.report(2)
+    worker.on_transfer_results({"a"}, set(), inner)
+    assert worker.take_load_errors(inner) == {2}  # what the runner hands vLLM
+    expected = caches.raw[0].clone()
+    d = LoadRecord("d", 0, 37, (GroupLoad(0, 0, (2, 5, 7)),))
+    worker.bind(KVTailMetadata(inner=None, loads=(d,)))  # type: ignore[arg-type]
+    worker.on_transfer_results({"d"}, set(), inner)
+    assert worker.take_load_errors(inner) == set()
+    reference_zero_kv_blocks(rebase(list(caches.views.values()), expected), (), [(7, 5)])
+    assert torch.equal(caches.raw[0], expected)  # d's tail zeroed, its loaded KV kept
+    worker.on_transfer_results({"c"}, set(), inner)
+    assert worker.num_tracked == 0

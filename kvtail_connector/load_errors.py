@@ -1,0 +1,73 @@
+"""Invalid blocks, each owned by the load that held the block when it was reported.
+
+vLLM's contract (``KVConnectorBase_V1.get_block_ids_with_load_errors``): an
+async load's failed blocks are reported in some pass up to and including the
+one that reports the load finished. Once a load is done its blocks can be
+freed and handed to another request, so an id reported for it must never be
+read as a failure of the block's next owner. The ledger therefore attributes
+every reported id, at once, to the load in flight that holds the block (the
+same rule vLLM's scheduler applies, by block id at report time), drops ids no
+tracked load holds, and forgets a load's ids with the load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class LoadErrorLedger:
+    """Which tracked load holds which block, and the blocks reported invalid.
+
+    The worker fetches the inner connector's errors early, inside
+    ``get_transfer_results`` (a load completing in that pass needs them to
+    decide between zeroing its tail and treating it as failed), and hands the
+    same ids to the model runner when it asks right after.
+    """
+
+    def __init__(self) -> None:
+        self._holder: dict[int, str] = {}  # block id -> request whose load writes it
+        self._blocks: dict[str, tuple[int, ...]] = {}  # request -> its tracked blocks
+        self._invalid: dict[str, set[int]] = {}  # request -> its blocks reported invalid
+        self._for_runner: set[int] = set()  # fetched early, not yet handed to the runner
+
+    def track(self, req_id: str, blocks: Iterable[int]) -> None:
+        """``req_id``'s load is in flight and writes ``blocks`` (replaces an
+        earlier load of the same request)."""
+        self.release(req_id)
+        ids = tuple(blocks)
+        self._blocks[req_id] = ids
+        for b in ids:
+            self._holder[b] = req_id
+
+    def release(self, req_id: str) -> set[int]:
+        """Forget ``req_id``'s load; return its blocks that were reported invalid."""
+        for b in self._blocks.pop(req_id, ()):
+            if self._holder.get(b) == req_id:
+                del self._holder[b]
+        return self._invalid.pop(req_id, set())
+
+    def fetch(self, inner: Any) -> None:
+        """Ask the inner connector now, ahead of the runner, and attribute."""
+        fresh = inner.get_block_ids_with_load_errors()
+        self._for_runner |= fresh
+        self._attribute(fresh)
+
+    def take(self, inner: Any) -> set[int]:
+        """The runner's ``get_block_ids_with_load_errors``: ids fetched early in
+        this pass plus what the inner connector reports now (attributed too)."""
+        fresh = inner.get_block_ids_with_load_errors()
+        self._attribute(fresh)
+        out, self._for_runner = self._for_runner | fresh, set()
+        return out
+
+    def _attribute(self, errors: Iterable[int]) -> None:
+        for b in errors:
+            req_id = self._holder.get(b)
+            if req_id is not None:
+                self._invalid.setdefault(req_id, set()).add(b)
+
+    @property
+    def num_tracked(self) -> int:
+        """Entries held (0 when idle and the runner has collected every id)."""
+        return len(self._blocks) + len(self._invalid) + len(self._holder) + len(self._for_runner)
