@@ -88,3 +88,22 @@ def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:
 
     group = get_dcp_group()
     return int(group.rank_in_group), int(group.world_size)
+
+
+def counts_requests_on_this_rank() -> bool:
+    """Whether this worker reports per-request counters (0.32 and 0.33).
+
+    Every TP/PP/PCP worker handles the same request, and vLLM's
+    ``KVOutputAggregator`` sums their stats: only the first rank of each
+    group counts requests, so a request counts once. Without initialized
+    model-parallel groups (a single process, tests) this worker is the only one.
+    """
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True
+    groups = [ps.get_tp_group(), ps.get_pp_group()]
+    pcp = getattr(ps, "_PCP", None)
+    if pcp is not None:
+        groups.append(ps.get_pcp_group())
+    return all(g.rank_in_group == 0 for g in groups)

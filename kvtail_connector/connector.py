@@ -98,6 +98,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         groups = group_infos(kv_cache_config, dcp_world)
         has_mamba = bool(kv_cache_config.has_mamba_layers)
         self._stats = KVTailStats()
+        self._last_held = 0  # the held_requests level last reported
         # MoRIIO READ tails are zeroed once the READ has landed: after
         # start_load_kv, or per layer after wait_for_layer_load (0.32).
         self._sync_read = adapter.sync_read
@@ -127,6 +128,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 zero_failed_loads=zero and not needs_zeroing,
                 probe=cfg.probe_stale_tails,
                 read_tails_by_layer=adapter.sync_read and _compat.moriio_reads_may_land_per_layer(),
+                counts_requests=_compat.counts_requests_on_this_rank(),
                 stats=self._stats,
             )
         logger.info(
@@ -257,6 +259,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        part = self._scheduler if self._scheduler is not None else self._worker
+        held = part.held_requests() if part is not None else 0
+        if held or held != self._last_held:
+            self._stats.set_gauge("held_requests", held)
+            self._last_held = held
         inner = self._inner.get_kv_connector_stats()
         if self._stats.is_empty() and (inner is None or inner.is_empty()):
             return None
@@ -309,6 +316,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._inner.update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

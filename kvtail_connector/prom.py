@@ -7,19 +7,24 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvtail_connector.stats import COUNTERS, INNER
+from kvtail_connector.stats import COUNTERS, GAUGES, INNER
 
 # Metric name suffix and help text per counter (names: vllm:kvtail_<suffix>).
 METRICS = {
-    "tails_zeroed": "Stale block tails zeroed after KV loads.",
-    "tail_bytes_zeroed": "Bytes of stale block tails zeroed after KV loads.",
+    "tails_zeroed": "Requests whose stale block tail was zeroed after a KV load.",
+    "tail_bytes_zeroed": "Bytes of stale block tails zeroed after KV loads (all ranks).",
     "read_blocks_exempted": "MoRIIO READ destination blocks kept from vLLM's new-block zeroing.",
-    "failed_loads": "KV loads reported failed or with invalid blocks.",
+    "failed_loads": "Async KV loads reported failed or with invalid blocks (requests).",
     "probed_tails": "Loaded requests whose tails probe_stale_tails inspected.",
     "stale_nonzero_bytes": "Non-zero bytes probe_stale_tails found in tails before zeroing.",
     "stale_nonfinite_values": "Non-finite values probe_stale_tails found in tails before zeroing.",
 }
+GAUGE_METRICS = {
+    "held_requests": "Requests the wrapper holds state for (largest over its scheduler side "
+    "and each worker); 0 when idle.",
+}
 assert set(METRICS) == set(COUNTERS), "every counter has a metric"
+assert set(GAUGE_METRICS) == set(GAUGES), "every gauge has a metric"
 
 
 class KVTailPromMetrics(KVConnectorPromMetrics):
@@ -46,12 +51,27 @@ class KVTailPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in METRICS.items()
         }
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(  # type: ignore[call-arg]
+                    name=f"vllm:kvtail_{name}",
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in GAUGE_METRICS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, per_engine in self._counters.items():
             value = int(transfer_stats_data.get(name, 0))
             if value:
                 per_engine[engine_idx].inc(value)  # type: ignore[union-attr]
+        for name, per_engine in self._gauges.items():
+            if name in transfer_stats_data:
+                per_engine[engine_idx].set(int(transfer_stats_data[name]))  # type: ignore[union-attr]
         inner = transfer_stats_data.get(INNER)
         if self._inner is not None and inner is not None:
             self._inner.observe(inner, engine_idx)

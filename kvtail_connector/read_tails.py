@@ -86,6 +86,10 @@ class ReadTailsByLayer:
     def last_launch_done(self) -> torch.cuda.Event | None:
         return self.zeroer.last_launch_done
 
+    def owners_pending(self) -> set[str]:
+        """Requests with layers still to zero."""
+        return {owner for work in self._work.values() for owner in work.armed.owners}
+
     def arm(self, owner: str, items: list[tuple[int, int, int]]) -> None:
         """Queue ``items`` (set index, block, first slot) of request ``owner``
         for every layer of their sets (see :meth:`stage`)."""

@@ -65,6 +65,11 @@ class TailScheduler:
         # READ loads allocated this step: (request, blocks, local, loaded). Their
         # records wait for build_connector_meta, which knows the step's tokens.
         self._pending_reads: list[tuple[Any, Any, int, int]] = []
+        # Every async load until vLLM reports it finished: the blocks it
+        # writes (to map invalid block ids to requests), and whether its
+        # failure was counted already (errors may precede the completion).
+        self._in_flight: dict[str, frozenset[int]] = {}
+        self._failed: set[str] = set()
 
     # ----------------------------------------------------------------- hooks
 
@@ -84,6 +89,10 @@ class TailScheduler:
         if num_external_tokens <= 0 or matched is None:
             return
         local, load_async = matched
+        if load_async:
+            self._in_flight[request.request_id] = frozenset(
+                self._written_blocks(request, blocks, local, local + num_external_tokens)
+            )
         if load_async and not self._track_tails:
             return
         if not load_async:
@@ -119,6 +128,33 @@ class TailScheduler:
     def request_finished(self, request: Any) -> None:
         self._matched.pop(request.request_id, None)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Count each failed async load once: reported in ``failed_recving``,
+        or holding a block of ``invalid_block_ids`` (both aggregated over the
+        workers by vLLM), then forget the loads reported finished."""
+        if not self._in_flight:
+            return
+        failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            failed.update(
+                r for r, blocks in self._in_flight.items() if not blocks.isdisjoint(invalid)
+            )
+        new = failed - self._failed
+        if new:
+            self._stats.add("failed_loads", len(new))
+            self._failed |= new
+        for req_id in connector_output.finished_recving or ():
+            if self._in_flight.pop(req_id, None) is not None:
+                self._failed.discard(req_id)
+
+    def held_requests(self) -> int:
+        """Requests this side holds state for (the ``held_requests`` gauge)."""
+        held = self._matched.keys() | self._in_flight.keys()
+        held.update(r.req_id for r in self._pending)
+        held.update(req.request_id for req, *_ in self._pending_reads)
+        return len(held)
+
     # ---------------------------------------------------------------- helpers
 
     def _read_records(
@@ -153,6 +189,15 @@ class TailScheduler:
     def _tail_index(self, num_loaded: int, group: int) -> int | None:
         tail = tail_block(num_loaded, self._groups[group].effective_block)
         return None if tail is None else tail[0]
+
+    def _written_blocks(self, request: Any, blocks: Any, local: int, loaded: int) -> list[int]:
+        """The non-null blocks a load of tokens ``[local, loaded)`` writes, all groups."""
+        block_ids = blocks.get_block_ids()
+        out: list[int] = []
+        for gid in self._inner.get_loaded_kv_cache_group_ids(request):
+            eb = self._groups[gid].effective_block
+            out.extend(b for b in block_ids[gid][local // eb : -(-loaded // eb)])
+        return [b for b in out if b != _compat.NULL_BLOCK_ID]
 
     def _record(
         self, request: Any, blocks: Any, local: int, loaded: int, *, tails_only: bool = False
@@ -195,4 +240,10 @@ class TailScheduler:
     @property
     def num_tracked(self) -> int:
         """Requests with wrapper state (0 when idle: the leak check)."""
-        return len(self._matched) + len(self._pending) + len(self._pending_reads)
+        return (
+            len(self._matched)
+            + len(self._pending)
+            + len(self._pending_reads)
+            + len(self._in_flight)
+            + len(self._failed)
+        )

@@ -23,6 +23,10 @@ COUNTERS = (
     "stale_nonzero_bytes",
     "stale_nonfinite_values",
 )
+# Levels, not counts. Each part of the wrapper (scheduler side, every worker)
+# reports its level in every step where it is non-zero or has just changed,
+# and leaves it out otherwise; the largest value reported in a step wins.
+GAUGES = ("held_requests",)
 INNER = "inner"
 INNER_CLASS = "inner_class"  # "module:QualName" of the inner stats class
 
@@ -43,11 +47,19 @@ def _load_class(path: str) -> type | None:
 class KVTailStats(KVConnectorStats):
     """Counters since the last reset, and the inner connector's stats.
 
-    Counters: ``tails_zeroed`` (tail items zeroed), ``tail_bytes_zeroed``,
-    ``read_blocks_exempted`` (MoRIIO READ destinations kept from vLLM's
-    zeroing), ``failed_loads`` (failed or partially invalid loads seen),
-    ``probed_tails``, ``stale_nonzero_bytes`` and ``stale_nonfinite_values``
-    (what ``probe_stale_tails`` found before zeroing).
+    Counters: ``tails_zeroed`` (requests whose loaded tail was zeroed),
+    ``tail_bytes_zeroed`` (all ranks), ``read_blocks_exempted`` (MoRIIO READ
+    destinations kept from vLLM's zeroing), ``failed_loads`` (async loads
+    reported failed or with invalid blocks, per request), ``probed_tails``
+    (requests inspected), ``stale_nonzero_bytes`` and
+    ``stale_nonfinite_values`` (what ``probe_stale_tails`` found before
+    zeroing, all ranks). Per-request counters are counted once per request
+    (the scheduler side, or the first worker rank), so vLLM's sum over TP
+    workers stays a count of requests.
+
+    Gauge ``held_requests``: requests the wrapper holds state for (the largest
+    number over the scheduler side and each worker); present in a snapshot
+    only when that part's level is non-zero or has just changed.
     """
 
     inner_stats: KVConnectorStats | None = None
@@ -62,6 +74,10 @@ class KVTailStats(KVConnectorStats):
         self.data[counter] = int(self.data[counter]) + int(amount)
         self._touched = True
 
+    def set_gauge(self, gauge: str, value: int) -> None:
+        self.data[gauge] = int(value)
+        self._touched = True
+
     def __getitem__(self, counter: str) -> int:
         return int(self.data[counter])
 
@@ -69,6 +85,10 @@ class KVTailStats(KVConnectorStats):
         """A snapshot carrying ``inner``; this object's counters restart at 0."""
         snap = KVTailStats(data={name: int(self.data[name]) for name in COUNTERS})
         snap.inner_stats = inner
+        for name in GAUGES:
+            if name in self.data:
+                snap.data[name] = int(self.data.pop(name))
+        snap._touched = self._touched
         for name in COUNTERS:
             self.data[name] = 0
         self._touched = False
@@ -76,6 +96,7 @@ class KVTailStats(KVConnectorStats):
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: int(self.data[name]) for name in COUNTERS}
+        out.update({name: int(self.data[name]) for name in GAUGES if name in self.data})
         if self.inner_stats is not None:
             out[INNER] = self.inner_stats.to_dict()
             out[INNER_CLASS] = self.data.get(INNER_CLASS) or _class_path(type(self.inner_stats))
@@ -84,6 +105,8 @@ class KVTailStats(KVConnectorStats):
     def reset(self) -> None:
         for name in COUNTERS:
             self.data[name] = 0
+        for name in GAUGES:
+            self.data.pop(name, None)
         self._touched = False
         if self.inner_stats is not None:
             self.inner_stats.reset()
@@ -92,6 +115,9 @@ class KVTailStats(KVConnectorStats):
         assert isinstance(other, KVTailStats), "workers and scheduler run the same wrapper"
         for name in COUNTERS:
             self.data[name] = int(self.data[name]) + int(other.data[name])
+        for name in GAUGES:
+            if name in other.data:
+                self.data[name] = max(int(other.data[name]), int(self.data.get(name, 0)))
         self._touched = self._touched or other._touched
         if other.inner_stats is not None:
             self.inner_stats = (
@@ -102,7 +128,10 @@ class KVTailStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {f"kvtail_{name}": int(self.data[name]) for name in COUNTERS}
+        # Only what happened: an idle wrapper adds nothing to vLLM's log line.
+        out: dict[str, int | float] = {
+            f"kvtail_{name}": int(self.data[name]) for name in COUNTERS if int(self.data[name])
+        }
         if self.inner_stats is not None and not self.inner_stats.is_empty():
             out.update(self.inner_stats.reduce())
         return out
@@ -115,6 +144,7 @@ class KVTailStats(KVConnectorStats):
         """Rebuild from a payload (``to_dict`` output, after any process hop)."""
         data = data or {}
         stats = cls(data={name: int(data.get(name, 0)) for name in COUNTERS})
+        stats.data.update({name: int(data[name]) for name in GAUGES if name in data})
         inner_data = data.get(INNER)
         inner_cls = _load_class(data[INNER_CLASS]) if INNER_CLASS in data else None
         if (

@@ -76,6 +76,9 @@ class TailWorker:
         probe: count stale bytes before zeroing (``probe_stale_tails``).
         read_tails_by_layer: MoRIIO READ loads may land layer by layer (0.32):
             be ready to zero their tails per layer.
+        counts_requests: this rank reports the per-request counters
+            (``tails_zeroed``, ``probed_tails``): one rank per request, since
+            vLLM sums every worker's stats. Byte counts come from every rank.
         stats: the counters this side reports.
     """
 
@@ -88,6 +91,7 @@ class TailWorker:
         zero_failed_loads: bool,
         probe: bool,
         read_tails_by_layer: bool = False,
+        counts_requests: bool = True,
         stats: KVTailStats,
     ) -> None:
         self._groups = groups
@@ -96,6 +100,7 @@ class TailWorker:
         self._zero_failed = zero_failed_loads
         self._probe = probe
         self._stats = stats
+        self._per_request = 1 if counts_requests else 0
         self._zeroer: KVZeroer | None = None
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
@@ -185,6 +190,13 @@ class TailWorker:
         """READ loads bound this step wait for ``reads_started``."""
         return bool(self._read_loads)
 
+    def held_requests(self) -> int:
+        """Requests this worker holds state for (the ``held_requests`` gauge)."""
+        held = self._loads.keys() | {r.req_id for r in self._read_loads}
+        if self._by_layer is not None:
+            held |= self._by_layer.owners_pending()
+        return len(held)
+
     @property
     def num_tracked(self) -> int:
         """Loads (and layers with READ tails) this worker still holds (0 when
@@ -214,12 +226,12 @@ class TailWorker:
         if not done:
             return
         batches: list[_Zeroing] = []
-        failures = tails = 0
+        tails = 0  # requests
         for pending in done:
             record = pending.record
             invalid = _first_invalid(record, self._errors.release(record.req_id))
+            # Failures are counted once per request by the scheduler side.
             if record.req_id in failed or invalid is not None:
-                failures += 1
                 if self._zero_failed:
                     items = self._failed_items(record, invalid)
                     batches.append(self._zeroing(record.req_id, items))
@@ -227,11 +239,9 @@ class TailWorker:
                 batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
                 if batch.lines:
                     batches.append(batch)
-                    tails += len(batch.lines)
-        if failures:
-            self._stats.add("failed_loads", failures)
+                    tails += 1
         if tails:
-            self._stats.add("tails_zeroed", tails)
+            self._stats.add("tails_zeroed", tails * self._per_request)
         self._zero(batches)
 
     def reads_started(self, landed: bool) -> None:
@@ -244,13 +254,15 @@ class TailWorker:
         by_layer = self._by_layer
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-            self._stats.add("tails_zeroed", sum(len(b.lines) for b in batches))
+            tails = sum(1 for b in batches if b.lines)
+            self._stats.add("tails_zeroed", tails * self._per_request)
             self._zero(batches)
             return
         for r in records:
             items = self._tail_items(r)
             by_layer.arm(r.req_id, items)
-            self._stats.add("tails_zeroed", len(items))
+            if items:
+                self._stats.add("tails_zeroed", self._per_request)
         by_layer.stage()
 
     def layer_loaded(self, layer_name: str) -> None:
@@ -379,7 +391,7 @@ class TailWorker:
 
     def _report_found(self, found: dict[str, tuple[int, int]]) -> None:
         for req_id, (nonzero, nonfinite) in found.items():
-            self._stats.add("probed_tails")
+            self._stats.add("probed_tails", self._per_request)
             self._stats.add("stale_nonzero_bytes", nonzero)
             self._stats.add("stale_nonfinite_values", nonfinite)
             if nonfinite:

@@ -55,17 +55,26 @@ class Harness:
         self.caches = allocate(self.kv_cache_config)
         self.worker.register_kv_caches(self.caches.views)
         self.metas: list[KVTailMetadata] = []
-        # What the worker reported through KVConnectorOutput, summed.
+        # What the worker and the scheduler side reported, summed (the
+        # held_requests gauge: as last reported, per side).
         self.stats = KVTailStats()
-        report = self.worker.get_kv_connector_stats
+        self.held: dict[str, int] = {}
+        for side, connector in (("worker", self.worker), ("scheduler", self.scheduler.connector)):
+            self._capture(side, connector)
+
+    def _capture(self, side: str, connector: Any) -> None:
+        report = connector.get_kv_connector_stats
 
         def capture() -> Any:
             stats = report()
             if stats is not None:
-                self.stats.aggregate(KVTailStats.from_dict(stats.to_dict()))
+                payload = stats.to_dict()
+                if "held_requests" in payload:
+                    self.held[side] = payload["held_requests"]
+                self.stats.aggregate(KVTailStats.from_dict(payload))
             return stats
 
-        self.worker.get_kv_connector_stats = capture  # type: ignore[method-assign]
+        connector.get_kv_connector_stats = capture
 
     @property
     def inner_scheduler(self) -> Any:
@@ -107,6 +116,7 @@ class Harness:
         self.scheduler.schedule()
         assert_scheduler_empty(self.scheduler)
         assert self.worker.scheduler_state_is_empty(), "the worker kept load records"
+        assert all(v == 0 for v in self.held.values()), f"held_requests gauge: {self.held}"
 
     def records(self) -> list[Any]:
         return [r for m in self.metas for r in m.loads]

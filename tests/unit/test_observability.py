@@ -152,3 +152,70 @@ def test_scheduler_side_stats_are_reported_by_the_scheduler_connector():
     stats = wrapper.get_kv_connector_stats()
     assert isinstance(stats, KVTailStats) and stats["read_blocks_exempted"] == 5
     assert wrapper.get_kv_connector_stats() is None  # counters restart after a report
+
+
+def _logged_lines(payloads: list[dict]) -> list[str]:
+    """What vLLM's KVConnectorLogging prints for ``payloads`` observed in one interval."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    vllm_config = make_vllm_config(
+        kv_connector="KVTailConnector",
+        kv_connector_module_path="kvtail_connector",
+        kv_connector_extra_config={"backend": "NixlConnector"},
+    )
+    log = KVConnectorLogging(vllm_config.kv_transfer_config)
+    for payload in payloads:
+        log.observe(msgspec.msgpack.decode(msgspec.msgpack.encode(payload)))
+    lines: list[str] = []
+    log.log(lambda fmt, *args: lines.append(fmt % args))
+    return lines
+
+
+def test_an_idle_wrapper_adds_nothing_to_vllms_log_line():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    inner = NixlKVConnectorStats()
+    inner.record_failed_transfer()
+    (line,) = _logged_lines([KVTailStats().take(inner).to_dict()])
+    assert "Num failed transfers=1" in line and "kvtail" not in line
+    ours = KVTailStats()
+    ours.add("tails_zeroed", 2)
+    (line,) = _logged_lines([ours.take(None).to_dict()])
+    assert line == "KV Transfer metrics: kvtail_tails_zeroed=2"  # zero counters left out
+
+
+def test_a_gauge_only_report_reaches_prometheus_but_not_the_log_line():
+    stats = KVTailStats()
+    stats.set_gauge("held_requests", 0)
+    snapshot = stats.take(None)
+    assert not snapshot.is_empty()  # the scheduler forwards it (vLLM skips empty ones)
+    assert _logged_lines([snapshot.to_dict()]) == []
+    registry = CollectorRegistry()
+    vllm_config = make_vllm_config(
+        kv_connector="KVTailConnector",
+        kv_connector_module_path="kvtail_connector",
+        kv_connector_extra_config={"backend": "NixlConnector"},
+    )
+    prom = KVTailConnector.build_prom_metrics(
+        vllm_config, registry_metric_types(registry), ["engine"], {0: ["0"]}
+    )
+    busy = KVTailStats()
+    busy.set_gauge("held_requests", 3)
+    prom.observe(busy.take(None).to_dict())
+    assert registry.get_sample_value("vllm:kvtail_held_requests", {"engine": "0"}) == 3
+    prom.observe(KVTailStats().take(None).to_dict())  # no level in it: unchanged
+    assert registry.get_sample_value("vllm:kvtail_held_requests", {"engine": "0"}) == 3
+    prom.observe(snapshot.to_dict())
+    assert registry.get_sample_value("vllm:kvtail_held_requests", {"engine": "0"}) == 0
+
+
+def test_the_largest_held_level_of_a_step_wins_and_absent_levels_do_not_count():
+    parts = []
+    for level in (2, None, 5):
+        s = KVTailStats()
+        if level is not None:
+            s.set_gauge("held_requests", level)
+        parts.append(KVTailStats.from_dict(s.take(None).to_dict()))
+    total = parts[0].aggregate(parts[1]).aggregate(parts[2])
+    assert total.to_dict()["held_requests"] == 5
+    assert "held_requests" not in KVTailStats().to_dict()
