@@ -22,6 +22,13 @@ class BackendAdapter:
         """Loads complete synchronously by RDMA READ into blocks vLLM zeroes."""
         return False
 
+    @property
+    def writes_past_the_fence(self) -> bool:
+        """A new owner's KV can arrive without the worker's ``start_load_kv``
+        (the fence that orders it after earlier zeroing): the transfer is
+        started from the scheduler side."""
+        return False
+
     def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
         """``(request id, per-group local block ids)`` the READs of this step write."""
         return ()

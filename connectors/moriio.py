@@ -18,6 +18,12 @@ class MoRIIOAdapter(BackendAdapter):
         # vLLM's get_moriio_mode: READ iff read_mode is "true" or "1".
         return str(self.inner_extra_config.get("read_mode", "false")).lower() in ("true", "1")
 
+    @property
+    def writes_past_the_fence(self) -> bool:
+        # WRITE mode: the consumer's scheduler notifies the producer from
+        # update_state_after_alloc, and the producer RDMA-writes at once.
+        return not self.sync_read
+
     def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
         reqs = getattr(inner_metadata, "reqs_to_recv", None) or {}
         for req_id, meta in reqs.items():

@@ -128,6 +128,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 zero_failed_loads=zero and not needs_zeroing,
                 probe=cfg.probe_stale_tails,
                 read_tails_by_layer=adapter.sync_read and _compat.moriio_reads_may_land_per_layer(),
+                # Only where a new owner's KV can arrive past the start_load_kv
+                # fence and the runner reports completions before the zeroing
+                # launched with them has run (V2).
+                hold_completions=adapter.writes_past_the_fence
+                and _compat.completions_reach_scheduler_before_post_forward_work(vllm_config),
                 counts_requests=_compat.counts_requests_on_this_rank(),
                 stats=self._stats,
             )
@@ -243,12 +248,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = self._inner.get_transfer_results(finished_req_ids)
-        worker = self._worker
-        if worker is not None and results.finished_recving:
-            worker.on_transfer_results(
-                results.finished_recving, results.failed_recving, self._inner
-            )
-        return results
+        if self._worker is None:
+            return results
+        return self._worker.transfer_results(results, finished_req_ids, self._inner)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is not None:

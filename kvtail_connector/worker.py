@@ -3,8 +3,21 @@
 The wrapper's ``get_transfer_results`` asks the inner connector, then zeroes
 the tails of every request reported in ``finished_recving`` (not failed) on
 the current stream, in one launch, *before* returning. The scheduler cannot
-promote, free, reuse or CoW-copy those blocks before it has seen that result,
-so every later reader is ordered after the zeroing.
+promote, free, reuse or CoW-copy those blocks before it has seen that result.
+What that orders after the zeroing:
+
+- every reader on the compute stream (the request's forward, CoW copies, a new
+  owner's forward), on both model runners;
+- transfers the inner connector starts in ``start_load_kv``: the wrapper's
+  fence waits for earlier zeroing first;
+- on the V1 runner everything else too: its connector hooks run before
+  sampling, and the scheduler reads the step's output after it. The V2 runner
+  copies the output before ``post_forward``, so the scheduler may act on a
+  completion while its zeroing is still queued; where a new owner's KV can
+  arrive without ``start_load_kv`` (MoRIIO WRITE, started by the consumer's
+  scheduler) completions are held until their zeroing has executed
+  (:mod:`~kvtail_connector.completion_hold`), and loads whose request was
+  aborted in flight are not zeroed at all (see :meth:`TailWorker.on_transfer_results`).
 """
 
 from __future__ import annotations
@@ -16,7 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvtail_connector.completion_hold import CompletionHold
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cache_slots
 from kvtail_connector.load_errors import LoadErrorLedger
@@ -76,6 +91,9 @@ class TailWorker:
         probe: count stale bytes before zeroing (``probe_stale_tails``).
         read_tails_by_layer: MoRIIO READ loads may land layer by layer (0.32):
             be ready to zero their tails per layer.
+        hold_completions: keep a completion whose zeroing has not executed on
+            the device out of ``finished_recving`` until it has (see
+            :mod:`~kvtail_connector.completion_hold`).
         counts_requests: this rank reports the per-request counters
             (``tails_zeroed``, ``probed_tails``): one rank per request, since
             vLLM sums every worker's stats. Byte counts come from every rank.
@@ -91,6 +109,7 @@ class TailWorker:
         zero_failed_loads: bool,
         probe: bool,
         read_tails_by_layer: bool = False,
+        hold_completions: bool = False,
         counts_requests: bool = True,
         stats: KVTailStats,
     ) -> None:
@@ -113,6 +132,9 @@ class TailWorker:
         self._by_layer: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         self._errors = LoadErrorLedger()
+        # Loads in flight whose request vLLM has already finished (aborted).
+        self._abandoned: set[str] = set()
+        self._hold = CompletionHold() if hold_completions else None
         self._last_zeroing: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -195,14 +217,22 @@ class TailWorker:
         held = self._loads.keys() | {r.req_id for r in self._read_loads}
         if self._by_layer is not None:
             held |= self._by_layer.owners_pending()
-        return len(held)
+        return len(held) + (len(self._hold) if self._hold is not None else 0)
 
     @property
     def num_tracked(self) -> int:
         """Loads (and layers with READ tails) this worker still holds (0 when
         idle: the leak check)."""
         waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
-        return len(self._loads) + len(self._read_loads) + waiting_layers + self._errors.num_tracked
+        held = len(self._hold) if self._hold is not None else 0
+        return (
+            len(self._loads)
+            + len(self._read_loads)
+            + waiting_layers
+            + self._errors.num_tracked
+            + len(self._abandoned)
+            + held
+        )
 
     # ------------------------------------------------------------ completion
 
@@ -212,24 +242,64 @@ class TailWorker:
         for the load in flight that writes the block."""
         return self._errors.take(inner)
 
+    def transfer_results(
+        self, results: KVConnectorTransferResults, finished_req_ids: set[str], inner: Any
+    ) -> KVConnectorTransferResults:
+        """The runner's ``get_transfer_results``: the inner connector's
+        ``results``, after zeroing what completed, with completions held back
+        while their zeroing has not executed (``hold_completions``)."""
+        if self._loads and finished_req_ids:
+            self._abandoned.update(r for r in finished_req_ids if r in self._loads)
+        zeroed: set[str] = set()
+        if results.finished_recving:
+            zeroed = self.on_transfer_results(
+                results.finished_recving, results.failed_recving, inner
+            )
+        hold = self._hold
+        if hold is None or not (zeroed or len(hold)):
+            return results
+        if zeroed and self._last_zeroing is not None:
+            hold.withhold(zeroed, results.failed_recving, self._last_zeroing)
+        released, released_failed = hold.release()
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving={r for r in results.finished_recving if r not in hold} | released,
+            failed_recving={r for r in results.failed_recving if r not in hold} | released_failed,
+        )
+
     def on_transfer_results(
         self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
-    ) -> None:
-        """Zero the tails of completed loads (and failed loads' blocks) in one launch."""
+    ) -> set[str]:
+        """Zero the tails of completed loads (and failed loads' blocks) in one
+        launch. Returns the requests it zeroed for.
+
+        A load whose request vLLM finished (aborted) while it was in flight is
+        not zeroed: nothing reads its blocks as that request's KV again (they
+        were never cached: async loads cache their blocks only on a live
+        completion), and every next owner of a block either has it zeroed by
+        vLLM at allocation (models that need zeroing), writes the slots it
+        reads, or is itself a load whose tail the wrapper zeroes at its own
+        completion. Zeroing it anyway could land after a new owner's transfer
+        that bypasses the worker's fence (MoRIIO WRITE) and wipe it.
+        """
         if not self._loads:
-            return
+            return set()
         # A completing load's invalid blocks arrive at the latest in this pass:
         # needed now, before the runner asks for them.
         self._errors.fetch(inner)
         failed = set(failed_recving)
         done = [p for p in (self._loads.pop(req, None) for req in finished_recving) if p]
         if not done:
-            return
+            return set()
         batches: list[_Zeroing] = []
         tails = 0  # requests
         for pending in done:
             record = pending.record
             invalid = _first_invalid(record, self._errors.release(record.req_id))
+            if record.req_id in self._abandoned:
+                self._abandoned.discard(record.req_id)
+                logger.debug("kvtail: %s finished while loading: nothing to zero", record.req_id)
+                continue
             # Failures are counted once per request by the scheduler side.
             if record.req_id in failed or invalid is not None:
                 if self._zero_failed:
@@ -243,6 +313,7 @@ class TailWorker:
         if tails:
             self._stats.add("tails_zeroed", tails * self._per_request)
         self._zero(batches)
+        return {b.owner for b in batches if b.lines}
 
     def reads_started(self, landed: bool) -> None:
         """The inner ``start_load_kv`` returned. If every READ has landed

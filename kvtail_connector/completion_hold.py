@@ -1,0 +1,64 @@
+"""Keep a load's completion from the scheduler until its zeroing has executed.
+
+The scheduler may free, reuse and hand a block to a new owner as soon as it
+sees the load finished. Where a new owner's KV can arrive without passing the
+worker's ``start_load_kv`` fence (MoRIIO WRITE: the consumer's *scheduler*
+tells the producer to write, from ``update_state_after_alloc``) and where the
+completion reaches the scheduler before the zeroing launched with it has run
+on the device (vLLM's V2 model runner copies the step's output before the
+connector's ``post_forward``), an old owner's tail zeroing could land after
+the new owner's tokens and wipe them. Holding the completion until the
+zeroing's CUDA event has fired closes that window at the price of one step
+of latency for those requests only; no host thread ever blocks on it unless a
+hold outlives :data:`MAX_PASSES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# Passes a completion may be held before the hold synchronizes on its event.
+MAX_PASSES = 8
+
+
+@dataclass
+class _Held:
+    event: Any  # torch.cuda.Event: recorded behind the zeroing launch
+    failed: bool
+    passes: int = 0
+
+
+class CompletionHold:
+    """Completions withheld from ``finished_recving`` until their event fired."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
+
+    def withhold(self, req_ids: Iterable[str], failed: set[str], event: Any) -> None:
+        for req_id in req_ids:
+            self._held[req_id] = _Held(event, req_id in failed)
+
+    def release(self) -> tuple[set[str], set[str]]:
+        """``(finished, failed)``: held completions whose zeroing has executed
+        (after :data:`MAX_PASSES` passes, waited for)."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for req_id, held in list(self._held.items()):
+            held.passes += 1
+            if not held.event.query():
+                if held.passes < MAX_PASSES:
+                    continue
+                held.event.synchronize()
+            del self._held[req_id]
+            finished.add(req_id)
+            if held.failed:
+                failed.add(req_id)
+        return finished, failed
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._held
