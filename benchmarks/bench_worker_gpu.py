@@ -71,6 +71,7 @@ def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = Fa
         RankPlacement(),
         zero_tails=True,
         zero_failed_loads=False,
+        zero_read_tails=True,
         probe=False,
         read_tails_by_layer=read_tails_by_layer,
         stats=KVTailStats(),

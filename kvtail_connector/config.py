@@ -36,8 +36,10 @@ class KVTailConfig(BaseModel):
         zero_tails: ``auto`` zeroes stale tails exactly when vLLM zeroes new
             blocks (``kv_cache_config.needs_kv_cache_zeroing``: Mamba layers
             or mixed-precision caches); ``always`` for every model; ``off``
-            keeps only the wrapper's other duties (MoRIIO READ exclusion,
-            metrics).
+            zeroes no async-load tails (MoRIIO READ exclusion and metrics
+            stay; on a model vLLM zeroes, the producer tails that READs copy
+            into blocks kept from vLLM's zeroing are still zeroed, so no
+            setting zeroes less than vLLM would).
         probe_stale_tails: before zeroing, count non-zero and non-finite tail
             bytes, log a warning for non-finite ones, and count them.
     """

@@ -91,6 +91,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
         needs_zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
         zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
+        # A READ copies the producer's tail into blocks kept from vLLM's zeroing
+        # (by the wrapper, or by vLLM itself on Mamba hybrids): on a model vLLM
+        # zeroes, the wrapper zeroes those tails whatever zero_tails says, so
+        # no setting leaves less zeroed than vLLM would.
+        zero_reads = adapter.sync_read and (zero or needs_zeroing)
         parallel = vllm_config.parallel_config
         dcp_rank, dcp_world = _compat.dcp_rank_and_world(
             int(getattr(parallel, "decode_context_parallel_size", 1) or 1), role
@@ -110,7 +115,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 groups,
                 track_tails=zero,
                 track_failures=zero and not needs_zeroing,
-                track_read_tails=zero and adapter.sync_read,
+                track_read_tails=zero_reads,
                 # vLLM filters Mamba hybrids itself (attention group only).
                 exclude_reads=adapter.sync_read and needs_zeroing and not has_mamba,
                 adapter=adapter,
@@ -123,6 +128,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                     dcp_rank, dcp_world, int(getattr(parallel, "cp_kv_cache_interleave_size", 1))
                 ),
                 zero_tails=zero,
+                zero_read_tails=zero_reads,
                 # vLLM re-zeroes a failed load's blocks itself when it zeroes at all
                 # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
                 zero_failed_loads=zero and not needs_zeroing,

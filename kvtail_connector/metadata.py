@@ -59,8 +59,8 @@ class KVTailMetadata(KVConnectorMetadata):
         inner: the wrapped connector's metadata, as it built it.
         loads: async loads started this step (tails zeroed on completion).
         read_loads: synchronous MoRIIO READ loads (tails zeroed once landed);
-            their ``num_loaded`` includes the tokens this step's forward
-            writes, where their stale tail starts.
+            their ``num_loaded`` is the producer's prompt length, where the
+            stale tail its blocks carry starts.
         version: :data:`KVTAIL_PROTOCOL_VERSION` of the sender.
     """
 

@@ -8,9 +8,10 @@ its attention runs: a READ landing later would bring the producer's tail back,
 so each layer's tail is zeroed right after that wait returns, on the current
 stream, ahead of the layer's attention.
 
-The backend may already have written this step's recomputed tokens (a KV update
-op before the attention op); records for READ loads count them (see
-``TailScheduler._read_records``), so the zeroing starts after them.
+The backend may already have written this step's tokens (a KV update op before
+the attention op) when the READ lands over them; records for READ loads start
+the zeroing at the producer's prompt length (see
+``TailScheduler._read_records``): the producer's KV is valid up to there.
 """
 
 from __future__ import annotations

@@ -162,13 +162,17 @@ class TailScheduler:
     ) -> tuple[LoadRecord, ...]:
         """Records of this step's READ loads whose tail block the READ overwrites.
 
-        A READ copies whole producer blocks, the producer's tail included, and
-        this step's forward then writes the recomputed tokens: the stale tail
-        starts after those, so ``num_loaded`` counts them. (On 0.32 a layer's
-        READ can land after the backend wrote them, KV update before attention:
-        zeroing from the READ's own end would wipe them.) A tail block the READ
-        does not write was zeroed by vLLM, and 0.32's MoRIIO also "matches"
-        consumer requests with no remote prefill: neither gets a record.
+        A READ copies whole producer blocks: the producer's KV, valid for its
+        whole prompt, and its stale tail after it. ``num_loaded`` is therefore
+        the prompt length (MoRIIO reads all but the last prompt token, which
+        this step recomputes into the same slot, with the same KV). The step's
+        forward may write past it: vLLM pads a new decode to ``1 + k`` rows
+        under speculative decoding, and on 0.32 a layer's READ can land after
+        the backend wrote them (KV update before attention), putting the
+        producer's tail back there; those slots hold nothing valid either way.
+        A tail block the READ does not write was zeroed by vLLM, and 0.32's
+        MoRIIO also "matches" consumer requests with no remote prefill:
+        neither gets a record.
         """
         records = []
         for request, blocks, local, loaded in self._pending_reads:
@@ -176,7 +180,8 @@ class TailScheduler:
             step = num_scheduled.get(request.request_id, 0)
             if not dests or step <= 0:
                 continue
-            record = self._record(request, blocks, local, loaded + step, tails_only=True)
+            valid = min(loaded + step, int(request.num_prompt_tokens))
+            record = self._record(request, blocks, local, valid, tails_only=True)
             if record is not None and any(
                 load.block_ids[k - load.first_block] in dests
                 for load in record.groups

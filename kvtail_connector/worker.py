@@ -86,6 +86,7 @@ class TailWorker:
         groups: tail facts per KV cache group.
         placement: this rank's DCP placement.
         zero_tails: zero tails of completed loads (``zero_tails`` resolved).
+        zero_read_tails: zero the tails MoRIIO READs copy from the producer.
         zero_failed_loads: zero the destination blocks of failed loads from
             the first invalid block on (when vLLM does not re-zero them).
         probe: count stale bytes before zeroing (``probe_stale_tails``).
@@ -107,6 +108,7 @@ class TailWorker:
         *,
         zero_tails: bool,
         zero_failed_loads: bool,
+        zero_read_tails: bool = False,
         probe: bool,
         read_tails_by_layer: bool = False,
         hold_completions: bool = False,
@@ -116,6 +118,7 @@ class TailWorker:
         self._groups = groups
         self._placement = placement
         self._zero_tails = zero_tails
+        self._zero_reads = zero_read_tails
         self._zero_failed = zero_failed_loads
         self._probe = probe
         self._stats = stats
@@ -145,7 +148,7 @@ class TailWorker:
         kv_cache_config: Any,
         layer_objects: Mapping[str, Any] | None = None,
     ) -> None:
-        if not (self._zero_tails or self._zero_failed):
+        if not (self._zero_tails or self._zero_failed or self._zero_reads):
             return
         self._sets = cache_sets(kv_caches, kv_cache_config, self._groups, layer_objects)
         if not self._sets:
@@ -159,7 +162,7 @@ class TailWorker:
         # A set is one group, page split and tokens_per_state: one slot count.
         self._set_slots = [s.pages_per_block * cache_slots(s.caches[0]) for s in self._sets]
         self._zeroer.warmup()
-        if self._read_tails_by_layer and self._zero_tails:
+        if self._read_tails_by_layer and self._zero_reads:
             self._by_layer = ReadTailsByLayer(self._sets)
             self._by_layer.zeroer.warmup()
         logger.info(

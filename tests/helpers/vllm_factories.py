@@ -105,6 +105,7 @@ from vllm.config import (  # noqa: E402
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
@@ -208,6 +209,7 @@ def make_vllm_config(
     prefix_match_unit: int | None = None,
     mamba_cache_mode: Literal["none", "align"] = "none",
     disable_hybrid_kv_cache_manager: bool | None = False,
+    num_speculative_tokens: int = 0,
 ) -> VllmConfig:
     """A validated ``VllmConfig`` for scheduler tests (device "cpu", no weights).
 
@@ -216,6 +218,8 @@ def make_vllm_config(
     is vLLM's knob for ``hash_block_size`` (only legal with several KV cache
     groups). ``mamba_cache_mode`` must match the ``MambaSpec`` of a hybrid
     ``KVCacheConfig`` (a real engine derives one from the other).
+    ``num_speculative_tokens > 0`` turns on n-gram speculation (no draft
+    model), so the scheduler pads new decodes to ``1 + k`` rows.
     """
     if dcp_size > 1 and NUM_Q_HEADS % dcp_size:
         raise ValueError(f"dcp_size must divide {NUM_Q_HEADS} for the tiny model")
@@ -254,8 +258,21 @@ def make_vllm_config(
             kv_connector_extra_config=kv_connector_extra_config or {},
             kv_load_failure_policy=kv_load_failure_policy,
         )
+        speculative_config = (
+            SpeculativeConfig(
+                method="ngram",
+                num_speculative_tokens=num_speculative_tokens,
+                prompt_lookup_max=3,
+                prompt_lookup_min=1,
+                target_model_config=model_config,
+                target_parallel_config=parallel_config,
+            )
+            if num_speculative_tokens
+            else None
+        )
         vllm_config = VllmConfig(
             model_config=model_config,
+            speculative_config=speculative_config,
             parallel_config=parallel_config,
             scheduler_config=scheduler_config,
             cache_config=cache_config,

@@ -73,6 +73,7 @@ def make_tail_worker(kv_cache_config: KVCacheConfig, **kw: Any) -> TailWorker:
     unless ``kw`` says otherwise."""
     kw.setdefault("zero_tails", True)
     kw.setdefault("zero_failed_loads", False)
+    kw.setdefault("zero_read_tails", True)
     kw.setdefault("probe", False)
     kw.setdefault("stats", KVTailStats())
     return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), **kw)

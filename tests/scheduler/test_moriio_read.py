@@ -271,7 +271,8 @@ def test_read_exclusion_does_not_depend_on_tail_zeroing(make_run):
     assert sorted(out.new_block_ids_to_zero) == sorted(
         set(_flat(alloc["read"]) + _flat(alloc["other"])) - dests
     )
-    assert out.kv_connector_metadata.read_loads == ()  # tails off: no READ records
+    # Block 6 (the recomputed token 96) is not read, so there is no READ tail.
+    assert out.kv_connector_metadata.read_loads == ()
 
 
 # ------------------------------------------------------------------ 6. stats
@@ -473,8 +474,13 @@ def _vllm_minor() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def test_read_load_record_matches_moriio_count(make_run):
-    run = make_run(wrapped=True, kv_cache_config=_mixed(), enable_prefix_caching=True)
+@pytest.mark.parametrize("zero_tails", ["auto", "off"])
+def test_read_load_record_matches_moriio_count(make_run, zero_tails):
+    # "off" too: the READ's destinations are kept from vLLM's zeroing, so the
+    # producer's tail it copies must still be zeroed by the wrapper.
+    run = make_run(
+        wrapped=True, kv_cache_config=_mixed(), enable_prefix_caching=True, zero_tails=zero_tails
+    )
     prompt = list(range(3, 3 + 100))
     shared = 4 * BLOCK
     # Warm the prefix cache with the first 64 tokens (4 full blocks per group).
@@ -514,18 +520,27 @@ def test_read_load_record_matches_moriio_count(make_run):
     ]
 
 
+@pytest.mark.parametrize("spec", [0, 2], ids=["no-spec", "spec-padded"])
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer (0.32)", "at start"])
-def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per_layer):
+def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per_layer, spec):
     # The real scheduler's READ record, handed to a worker over CPU caches: each
     # layer's READ lands (the producer's whole pages, NaN-bearing tail included)
-    # after the backend already wrote the recomputed token 99 (slot 3 of block 6);
-    # the worker must zero slots 4..15 of that block and nothing else.
+    # after the backend already wrote the recomputed token 99 (slot 3 of block 6)
+    # and, with speculative decoding, the 1 + k padded rows (slots 3..3+k); the
+    # READ puts the producer's bytes back there. The producer's KV is valid up
+    # to its prompt (slot 3), so the worker must zero slots 4..15 of that block
+    # (padded rows included) and nothing else.
     from kvtail_connector.ops import reference_zero_kv_blocks
     from tests.helpers.layouts import rebase
     from tests.helpers.worker_caches import allocate, make_tail_worker
 
     kv = _mixed()
-    run = make_run(wrapped=True, kv_cache_config=kv, enable_prefix_caching=True)
+    run = make_run(
+        wrapped=True,
+        kv_cache_config=kv,
+        enable_prefix_caching=True,
+        num_speculative_tokens=spec,
+    )
     prompt = list(range(3, 3 + 100))
     shared = 4 * BLOCK
     run.add("warm", shared + 16, prompt_token_ids=prompt[:shared] + [500] * 16, max_tokens=1)
@@ -533,6 +548,7 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
     remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
     run.add("read", 100, _peer_params(remote, req_id="read"), prompt_token_ids=prompt)
     out = run.scheduler.schedule()
+    assert out.num_scheduled_tokens["read"] == 1 + spec  # vLLM pads the new decode
     alloc = run.blocks("read")
     dests = run.inner_meta(out).reqs_to_recv["read"].local_block_ids
 
@@ -547,7 +563,7 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
     for gid, name in layers:
         page = caches.views[name].view(torch.int8)  # [B, H, N, C bytes]
         tail_block = alloc[gid][6]
-        page[tail_block, :, 3].fill_(0x11)  # the KV update of token 99
+        page[tail_block, :, 3 : 4 + spec].fill_(0x11)  # the step's KV update
         for block in dests[gid]:  # the READ lands, whole producer pages
             page[block].copy_(torch.randint(-128, 128, page[block].shape, generator=gen))
         if per_layer:
