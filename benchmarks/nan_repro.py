@@ -312,12 +312,16 @@ class CaseRun:
         return masks
 
     # -- decode -----------------------------------------------------------------
-    def decode(self, raws: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Write each request's decode token (slot seq_len), then attend; per (layer, request)."""
+    def decode_inputs(
+        self, raws: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """Write each request's decode token (slot seq_len); then per (layer,
+        request): the query ``[Hq, Dk]``, and per rank the WHOLE pages of its
+        block table as ``[H, T, C]`` float plus the ``[T]`` mask of valid slots."""
         self.write_tokens(raws, self.seq_lens, [n + 1 for n in self.seq_lens])
         c, n, p = self.case, self.case.slots, self.case.pages_per_block
         views = [self.geo.views(raw) for raw in raws]
-        outs = []
+        inputs = []
         for layer in range(self.sizes.layers):
             for r, (seq, table) in enumerate(zip(self.seq_lens, self.tables, strict=True)):
                 pages = torch.tensor([b * p + j for b in table for j in range(p)])
@@ -325,14 +329,27 @@ class CaseRun:
                 valid = torch.zeros(c.dcp_world, len(table) * p * n, dtype=torch.bool)
                 bi, rank, s = place(torch.arange(seq + 1), c)
                 valid[rank, bi * p * n + s] = True
-                parts = []
+                kvs, masks = [], []
                 for rk in range(c.dcp_world):
                     g = bits(views[rk][layer])[pages.to(self.device)].view(c.dtype)
-                    kv = dequantize(g).permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])
-                    mask = valid[rk].to(self.device)
-                    parts.append(attention_partial(self.q[layer][r], kv, mask, c, self.sizes))
-                outs.append(lse_merge(parts))
-        return outs
+                    kvs.append(
+                        dequantize(g).permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])
+                    )
+                    masks.append(valid[rk].to(self.device))
+                inputs.append((self.q[layer][r], kvs, masks))
+        return inputs
+
+    def decode(self, raws: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One decode step of the project's paged attention; per (layer, request)."""
+        return [
+            lse_merge(
+                [
+                    attention_partial(q, kv, mask, self.case, self.sizes)
+                    for kv, mask in zip(kvs, masks, strict=True)
+                ]
+            )
+            for q, kvs, masks in self.decode_inputs(raws)
+        ]
 
     def reference(self) -> list[torch.Tensor]:
         """Plain softmax attention over the valid tokens only (no cache, no pages)."""

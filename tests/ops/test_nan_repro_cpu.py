@@ -65,3 +65,28 @@ def test_fails_when_zeroing_too_much(nan_repro, monkeypatch):
     for row in result["rows"]:
         assert row["bytes_changed_outside_tails"] > 0
         assert not row["checks"]["no byte outside the tails changed"]
+
+
+@pytest.fixture(scope="module")
+def nan_repro_kernels(nan_repro):
+    path = SCRIPT.with_name("nan_repro_kernels.py")
+    spec = importlib.util.spec_from_file_location("nan_repro_kernels", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sdpa_and_flex_read_the_stale_nan_and_the_zeroed_pages_match_clean(nan_repro_kernels):
+    result = nan_repro_kernels.run("cpu", "tiny", 0)
+    assert result["ok"], nan_repro_kernels.table(result)
+    assert {r["kernel"] for r in result["rows"]} == {"sdpa-math", "flex"}
+    for row in result["rows"]:
+        assert row["nan_before"] > 0 and row["nan_after"] == 0 and row["bit_identical"]
+
+
+def test_kernel_repro_fails_without_zeroing(nan_repro_kernels, monkeypatch):
+    monkeypatch.setattr(nan_repro_kernels, "zero_kv_blocks", lambda *a, **k: None)
+    result = nan_repro_kernels.run("cpu", "tiny", 0)
+    assert not result["ok"]
+    assert all(r["nan_after"] > 0 for r in result["rows"])
