@@ -107,14 +107,3 @@ def counts_requests_on_this_rank() -> bool:
     if pcp is not None:
         groups.append(ps.get_pcp_group())
     return all(g.rank_in_group == 0 for g in groups)
-
-
-def completions_reach_scheduler_before_post_forward_work(vllm_config: Any) -> bool:
-    """Whether work the connector enqueues in ``get_transfer_results`` may still
-    be pending on the device when the scheduler sees that step's output.
-
-    V1 runner (0.32 and 0.33): the connector hooks run before sampling and the
-    output is read after it, so no. V2 runner: ``post_forward`` runs after the
-    ``AsyncOutput`` copy event was recorded, so yes.
-    """
-    return bool(getattr(vllm_config, "use_v2_model_runner", False))

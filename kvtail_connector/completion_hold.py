@@ -3,14 +3,15 @@
 The scheduler may free, reuse and hand a block to a new owner as soon as it
 sees the load finished. Where a new owner's KV can arrive without passing the
 worker's ``start_load_kv`` fence (MoRIIO WRITE: the consumer's *scheduler*
-tells the producer to write, from ``update_state_after_alloc``) and where the
-completion reaches the scheduler before the zeroing launched with it has run
-on the device (vLLM's V2 model runner copies the step's output before the
-connector's ``post_forward``), an old owner's tail zeroing could land after
-the new owner's tokens and wipe them. Holding the completion until the
-zeroing's CUDA event has fired closes that window at the price of one step
-of latency for those requests only; no host thread ever blocks on it unless a
-hold outlives :data:`MAX_PASSES`.
+tells the producer to write, from ``update_state_after_alloc``), a completion can
+reach the scheduler before the zeroing launched with it has run on the device
+(vLLM's V2 model runner copies the step's output before the connector's
+``post_forward``; both runners' no-forward steps return without a device
+sync), and an old owner's tail zeroing could land after the new owner's
+tokens and wipe them. Holding the completion until the zeroing's CUDA event
+has fired closes that window at the price of one step of latency for those
+requests only; no host thread ever blocks on it unless a hold outlives
+:data:`MAX_PASSES`.
 """
 
 from __future__ import annotations

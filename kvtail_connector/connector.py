@@ -95,7 +95,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # (by the wrapper, or by vLLM itself on Mamba hybrids): on a model vLLM
         # zeroes, the wrapper zeroes those tails whatever zero_tails says, so
         # no setting leaves less zeroed than vLLM would.
-        zero_reads = adapter.sync_read and (zero or needs_zeroing)
+        zero_reads = (
+            adapter.sync_read
+            and bool(vllm_config.kv_transfer_config.is_kv_consumer)
+            and (zero or needs_zeroing)
+        )
         parallel = vllm_config.parallel_config
         dcp_rank, dcp_world = _compat.dcp_rank_and_world(
             int(getattr(parallel, "decode_context_parallel_size", 1) or 1), role
@@ -135,10 +139,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 probe=cfg.probe_stale_tails,
                 read_tails_by_layer=adapter.sync_read and _compat.moriio_reads_may_land_per_layer(),
                 # Only where a new owner's KV can arrive past the start_load_kv
-                # fence and the runner reports completions before the zeroing
-                # launched with them has run (V2).
-                hold_completions=adapter.writes_past_the_fence
-                and _compat.completions_reach_scheduler_before_post_forward_work(vllm_config),
+                # fence: neither runner orders every completion after the
+                # zeroing launched with it (V2's post_forward, V1's no-forward
+                # steps).
+                hold_completions=adapter.writes_past_the_fence,
                 counts_requests=_compat.counts_requests_on_this_rank(),
                 stats=self._stats,
             )

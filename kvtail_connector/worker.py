@@ -122,7 +122,7 @@ class TailWorker:
         self._zero_failed = zero_failed_loads
         self._probe = probe
         self._stats = stats
-        self._per_request = 1 if counts_requests else 0
+        self._per_request = counts_requests
         self._zeroer: KVZeroer | None = None
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
@@ -194,6 +194,7 @@ class TailWorker:
             # built at completion instead.
             tails = self._zeroing(record.req_id, self._tail_items(record)) if self._zeroer else None
             self._loads[record.req_id] = _Pending(record, tails)
+            self._abandoned.discard(record.req_id)  # a new load of a reused id
             self._errors.track(
                 record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
             )
@@ -312,9 +313,8 @@ class TailWorker:
                 batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
                 if batch.lines:
                     batches.append(batch)
-                    tails += 1
-        if tails:
-            self._stats.add("tails_zeroed", tails * self._per_request)
+                tails += self._has_tail(record)
+        self._count_tails(tails)
         self._zero(batches)
         return {b.owner for b in batches if b.lines}
 
@@ -328,15 +328,12 @@ class TailWorker:
         by_layer = self._by_layer
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-            tails = sum(1 for b in batches if b.lines)
-            self._stats.add("tails_zeroed", tails * self._per_request)
+            self._count_tails(sum(self._has_tail(r) for r in records))
             self._zero(batches)
             return
         for r in records:
-            items = self._tail_items(r)
-            by_layer.arm(r.req_id, items)
-            if items:
-                self._stats.add("tails_zeroed", self._per_request)
+            by_layer.arm(r.req_id, self._tail_items(r))
+        self._count_tails(sum(self._has_tail(r) for r in records))
         by_layer.stage()
 
     def layer_loaded(self, layer_name: str) -> None:
@@ -353,7 +350,8 @@ class TailWorker:
         """After the forward: layers whose ``wait_for_layer_load`` never ran
         (no KV-transfer hook, e.g. the indexer cache) are zeroed now. This is
         after their first read, but never wipes valid KV: the zeroing starts
-        after the tokens this step wrote."""
+        at the producer's prompt length, past which this step wrote only the
+        rows vLLM pads a new decode with (draft id -1, always rejected)."""
         by_layer = self._by_layer
         if by_layer is None:
             return
@@ -463,9 +461,28 @@ class TailWorker:
     ) -> None:
         self._report_found(probe_items(sets, np.array(items, dtype=np.int64), owners))
 
+    def _has_tail(self, record: LoadRecord) -> bool:
+        """Whether ``record`` leaves a stale tail in some group: the same answer
+        on every rank (a DCP rank whose share of the block is full has none of
+        its own to zero, yet the request still counts once)."""
+        for load in record.groups:
+            info = self._groups[load.group]
+            tail = tail_block(record.num_loaded, info.effective_block)
+            if info.has_tails and tail is not None:
+                idx = tail[0] - load.first_block
+                if 0 <= idx < len(load.block_ids) and load.block_ids[idx] != NULL_BLOCK:
+                    return True
+        return False
+
+    def _count_tails(self, requests: int) -> None:
+        """Per-request counters, on the counting rank only."""
+        if requests and self._per_request:
+            self._stats.add("tails_zeroed", requests)
+            if self._probe:
+                self._stats.add("probed_tails", requests)
+
     def _report_found(self, found: dict[str, tuple[int, int]]) -> None:
         for req_id, (nonzero, nonfinite) in found.items():
-            self._stats.add("probed_tails", self._per_request)
             self._stats.add("stale_nonzero_bytes", nonzero)
             self._stats.add("stale_nonfinite_values", nonfinite)
             if nonfinite:

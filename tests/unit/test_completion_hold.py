@@ -1,9 +1,10 @@
-"""Completions held back until their zeroing has executed (V2 runner + MoRIIO WRITE).
+"""Completions held back until their zeroing has executed (MoRIIO WRITE).
 
-On vLLM's V2 runner the step's output is copied before ``post_forward``, so the
-scheduler can see a load finished while the tail zeroing launched with it is
-still queued on the device; MoRIIO WRITE then lets the producer write into a
-freed and reallocated block straight from the consumer's scheduler. The worker
+On vLLM's V2 runner the step's output is copied before ``post_forward``, and no
+runner syncs in a no-forward step, so the scheduler can see a load finished
+while the tail zeroing launched with it is still queued on the device; MoRIIO
+WRITE then lets the producer write into a freed and reallocated block straight
+from the consumer's scheduler. The worker
 keeps such completions out of ``finished_recving`` until the zeroing's event
 has fired.
 """
@@ -18,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
 )
 
-from kvtail_connector import _compat, completion_hold  # noqa: E402
+from kvtail_connector import completion_hold  # noqa: E402
 from kvtail_connector.connectors import adapter_for  # noqa: E402
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
 from kvtail_connector.ops import KVZeroer  # noqa: E402
@@ -102,12 +103,7 @@ def test_without_the_hold_completions_pass_through(monkeypatch):
     assert _pass(worker, finished={"a", "b"}).finished_recving == {"a", "b"}
 
 
-class _Config:
-    def __init__(self, v2: bool) -> None:
-        self.use_v2_model_runner = v2
-
-
-def test_the_hold_is_on_only_for_writes_past_the_fence_on_the_v2_runner():
+def test_the_hold_is_on_only_for_writes_past_the_fence():
     from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector import (
         MoRIIOConnector,
     )
@@ -115,5 +111,3 @@ def test_the_hold_is_on_only_for_writes_past_the_fence_on_the_v2_runner():
     assert adapter_for(MoRIIOConnector, {"read_mode": "false"}).writes_past_the_fence
     assert not adapter_for(MoRIIOConnector, {"read_mode": "true"}).writes_past_the_fence
     assert not adapter_for(object, {}).writes_past_the_fence
-    assert _compat.completions_reach_scheduler_before_post_forward_work(_Config(True))
-    assert not _compat.completions_reach_scheduler_before_post_forward_work(_Config(False))

@@ -154,3 +154,38 @@ def test_an_error_reported_for_a_finished_load_never_marks_the_blocks_next_owner
     assert torch.equal(caches.raw[0], expected)  # d's tail zeroed, its loaded KV kept
     worker.on_transfer_results({"c"}, set(), inner)
     assert worker.num_tracked == 0
+
+
+@pytest.mark.parametrize("counting_rank", [0, 1])
+def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero(counting_rank):
+    # DCP 2, interleave 16 (what NIXL needs), 16-slot pages: 24 valid tokens of
+    # a 32-token block fill rank 0's page and 8 slots of rank 1's. Only the
+    # counting rank counts requests, whatever its own share of the work is.
+    from kvtail_connector.kvgroups import group_infos
+    from kvtail_connector.stats import KVTailStats
+    from kvtail_connector.worker import RankPlacement, TailWorker
+
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    groups = group_infos(kv, 2)
+    assert groups[0].effective_block == 32
+    record = LoadRecord("a", 0, 24, (GroupLoad(0, 0, (3,)),))
+    counted, zeroed = [], []
+    for rank in (0, 1):
+        caches = allocate(kv)
+        stats = KVTailStats()
+        worker = TailWorker(
+            groups,
+            RankPlacement(rank, 2, 16),
+            zero_tails=True,
+            zero_failed_loads=False,
+            probe=True,
+            counts_requests=rank == counting_rank,
+            stats=stats,
+        )
+        worker.register_kv_caches(caches.views, kv)
+        worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
+        worker.on_transfer_results({"a"}, set(), ErrorSource())
+        counted.append((stats["tails_zeroed"], stats["probed_tails"]))
+        zeroed.append(stats["tail_bytes_zeroed"])
+    assert zeroed[0] == 0 and zeroed[1] > 0  # rank 0's share of the block is full
+    assert sum(t for t, _ in counted) == 1 and sum(p for _, p in counted) == 1
