@@ -158,8 +158,9 @@ def _chains(
     ``s + step`` while the shift stays constant and the length equal.
 
     Greedy from the first slot: a chain grows while its next link has the
-    chain's stride; partitioning a sequence into arithmetic runs this way is
-    optimal, since any part of an arithmetic run is one.
+    chain's stride. For this pairing that is the fewest regions (any part of
+    an arithmetic run is one); other pairings are not tried, so layouts that
+    only diagonal chains would cover take more regions than they could.
 
     Returns:
         the runs that head a region, and per run (read at heads) the region's

@@ -268,3 +268,14 @@ def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
     found = probe_items([CacheSet(0, 1, 1, [cache])], np.array([[0, 1, 13]]), ["req"])
     # 19 stale slots x 2 heads x 64 values, each NaN with 2 non-zero bytes.
     assert found == {"req": (19 * 2 * 64 * 2, 19 * 2 * 64)}
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_slot_bytes_count_each_slot_once_over_its_regions(monkeypatch, isa):
+    # The zeroed-bytes counters multiply this by the stale slots.
+    from kvtail_connector.layout import cache_slot_bytes
+
+    monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
+    view = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
+    cache = _as_cache("l0", view, object(), _Layer(isa=isa))
+    assert cache_slot_bytes(cache) == 2 * 128 * 2  # heads x (K + V) x bf16
