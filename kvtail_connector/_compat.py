@@ -107,3 +107,31 @@ def counts_requests_on_this_rank() -> bool:
     if pcp is not None:
         groups.append(ps.get_pcp_group())
     return all(g.rank_in_group == 0 for g in groups)
+
+
+# vLLM's ROCm AITER FlashAttention backend reports get_name() "FLASH_ATTN":
+# it is told apart by its class path (AttentionBackendEnum.ROCM_AITER_FA).
+_AITER_FA_CLASS = "vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend"
+
+
+def rocm_v_interleaved(backend_name: str | None, layer_object: Any) -> bool | None:
+    """Whether a ROCm layer's V plane is interleaved ``[Hkv, N/x, D, x]``;
+    None when the layer's pages are not ROCm paged-attention planes.
+
+    ``ROCM_AITER_FA`` uses the planes only under the shuffle layout
+    (``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT``, both releases), with V interleaved.
+    ``ROCM_ATTN`` always uses them; on 0.33 its V is interleaved once the
+    fused QK-norm/RoPE/cache writer is enabled (``impl._use_interleaved_v_cache``,
+    set by the compile pass, which runs before the caches are registered);
+    0.32 has no such writer.
+    """
+    backend = getattr(layer_object, "attn_backend", None)
+    path = f"{getattr(backend, '__module__', '')}.{getattr(backend, '__qualname__', '')}"
+    if path == _AITER_FA_CLASS:
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        return True if rocm_aiter_ops.is_shuffle_kv_cache_enabled() else None
+    if backend_name == "ROCM_ATTN":
+        impl = getattr(layer_object, "impl", None)
+        return bool(getattr(impl, "_use_interleaved_v_cache", False))
+    return None

@@ -5,8 +5,10 @@ backing buffer; groups overlay each other). Each attention group with tails
 becomes one or more cache sets: its layers' views with the kernel pages per
 manager block (``B // num_blocks``) and tokens per stored slot. Pages the
 ``[B, H, N, C]`` view does not describe slot by slot become
-:class:`RegionCache` s: the DeepSeek indexer's values-then-scales pages, and
-vLLM's CPU attention pages (K transposed; see ``cpu_pages``).
+:class:`RegionCache` s: the DeepSeek indexer's values-then-scales pages, vLLM's
+CPU attention pages (per-ISA layouts learned from its writer; see
+``cpu_pages``) and ROCm's paged-attention planes (K x-packed; see
+``rocm_pages``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,10 @@ from typing import Any
 
 import torch
 
-from kvtail_connector import cpu_pages
+from kvtail_connector import _compat, cpu_pages, rocm_pages
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.ops import RegionCache, indexer_cache
 
-# Attention backends whose pages are not slot-addressable through the view,
-# and whose layout this package does not learn (yet): refused at start-up.
-REFUSED_BACKENDS = {
-    "ROCM_ATTN": "which stores K x-packed ([H, D/x, N, x]) inside the view's C",
-}
 # Layer classes whose cache pages hold all values, then all scales (fp8).
 INDEXER_LAYER_CLASSES = frozenset({"DeepseekV32IndexerCache", "DeepseekV4IndexerCache"})
 # fp8 indexer slot: D fp8 values + D/128 fp32 scales (D + D/32 bytes).
@@ -72,28 +69,48 @@ def _backend_name(layer_object: Any) -> str | None:
     return str(get_name()) if callable(get_name) else None
 
 
+def _cpu_attn_cache(layer: str, view: torch.Tensor, layer_object: Any) -> RegionCache:
+    isa = cpu_pages.layer_isa(layer_object)
+    if isa is None:
+        raise ValueError(
+            f"KVTailConnector: CPU_ATTN layer {layer!r} has no ISA set by vLLM's "
+            "metadata builder; cannot learn its page layout."
+        )
+    dtype = str(getattr(layer_object, "kv_cache_dtype", "auto"))
+    model_dtype = cpu_pages.layer_model_dtype(layer_object)
+    try:
+        regions = cpu_pages.cpu_attn_regions(view, isa, dtype, model_dtype)
+    except ValueError as e:
+        raise ValueError(
+            f"KVTailConnector: layer {layer!r} (CPU_ATTN, ISA {isa!r}, kv_cache_dtype "
+            f"{dtype!r}): {str(e).rstrip('.')}. Its tails cannot be zeroed exactly. "
+            "vLLM picks the CPU attention ISA from --dtype, the block size and the head "
+            'size (on x86, --dtype float32 selects "vec"): change one of them, or set '
+            'kv_connector_extra_config.zero_tails to "off" if this model needs no tail zeroing.'
+        ) from e
+    return RegionCache(view, int(view.shape[2]), regions)
+
+
+def _rocm_cache(
+    layer: str, view: torch.Tensor, spec: Any, backend: str, v_interleaved: bool
+) -> RegionCache:
+    heads = int(getattr(spec, "num_kv_heads", 0))
+    head_size = int(getattr(spec, "head_size", 0))
+    try:
+        regions = rocm_pages.rocm_regions(view, heads, head_size, v_interleaved)
+    except ValueError as e:
+        raise ValueError(f"KVTailConnector: layer {layer!r} ({backend}): {e}.") from e
+    return RegionCache(view, int(view.shape[2]), regions)
+
+
 def _as_cache(layer: str, view: torch.Tensor, spec: Any, layer_object: Any) -> Any:
     backend = _backend_name(layer_object)
-    if backend in REFUSED_BACKENDS:
-        raise ValueError(
-            f"KVTailConnector: layer {layer!r} uses the {backend} attention backend, "
-            f"{REFUSED_BACKENDS[backend]}; its tails cannot be zeroed exactly through "
-            'the [B, H, N, C] view. Use zero_tails: "off" (MoRIIO READ exclusion still '
-            "applies) or another attention backend."
-        )
     if backend == cpu_pages.BACKEND_NAME:
-        isa = cpu_pages.layer_isa(layer_object)
-        if isa is None:
-            raise ValueError(
-                f"KVTailConnector: CPU_ATTN layer {layer!r} has no ISA set by vLLM's "
-                "metadata builder; cannot learn its page layout."
-            )
-        dtype = str(getattr(layer_object, "kv_cache_dtype", "auto"))
-        try:
-            regions = cpu_pages.cpu_attn_regions(view, isa, dtype)
-        except ValueError as e:
-            raise ValueError(f"KVTailConnector: layer {layer!r} (CPU_ATTN, {isa}): {e}") from e
-        return RegionCache(view, int(view.shape[2]), regions)
+        return _cpu_attn_cache(layer, view, layer_object)
+    v_interleaved = _compat.rocm_v_interleaved(backend, layer_object)
+    if v_interleaved is not None:
+        label = "ROCM_ATTN" if backend == "ROCM_ATTN" else "ROCM_AITER_FA (shuffle layout)"
+        return _rocm_cache(layer, view, spec, label, v_interleaved)
     if not _is_indexer(spec, layer_object):
         return view
     c_bytes = view.shape[-1] * view.element_size()
@@ -155,7 +172,9 @@ def cache_slots(cache: torch.Tensor | RegionCache) -> int:
 
 
 def cache_slot_bytes(cache: torch.Tensor | RegionCache) -> int:
-    """Bytes one slot takes in ``cache``, over all its heads and regions."""
+    """Bytes one slot takes in ``cache``, over all its heads and regions (the
+    page's slot bytes over its slots, for regions serving slot ranges)."""
     if isinstance(cache, RegionCache):
-        return sum(r.slot_bytes for r in cache.regions)
+        n = int(cache.slots_per_page)
+        return sum(r.slot_bytes * r.count(n) for r in cache.regions) // n
     return int(cache.shape[1] * cache.shape[3] * cache.element_size())

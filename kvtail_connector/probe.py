@@ -14,43 +14,62 @@ import torch
 
 from kvtail_connector.layout import CacheSet
 from kvtail_connector.ops import RegionCache
-from kvtail_connector.ops.torch_path import expand_slots
+from kvtail_connector.ops.geometry import describe_cache
+from kvtail_connector.ops.torch_path import (
+    expand_slots,
+    owner_bytes,
+    page_rows,
+    region_slots,
+    tail_pages,
+)
 
 
-def _tail_bytes(
-    cache: torch.Tensor | RegionCache, pages: int, b: torch.Tensor, j: torch.Tensor, s: torch.Tensor
+def _region_tail_bytes(
+    cache: RegionCache, pages: int, block: int, first: int
 ) -> list[torch.Tensor]:
-    """The slots (b, j, s) of ``cache``: one tensor per region (or the slots of the view)."""
-    if isinstance(cache, RegionCache):
-        t = cache.tensor
-        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        first = t.storage_offset() * t.element_size()
-        page_stride = t.stride(0) * t.element_size()
-        out = []
-        for r in cache.regions:
-            view = torch.as_strided(
-                raw,
-                (t.shape[0] // pages, pages, cache.slots_per_page, r.slot_bytes),
-                (pages * page_stride, page_stride, r.stride, 1),
-                first + r.offset,
-            )
-            out.append(view[b, j, s])
-        return out
+    """The bytes of slots ``[first, P*N)`` of ``block``: one gather of page
+    rows masked by the byte -> slot map (bytes in page order), or region by
+    region where page rows overlap (heads outside the block dim)."""
+    g = describe_cache(cache, 0)
+    blocks, firsts = np.array([block]), np.array([first])
+    if g.page_span > g.page_stride:
+        b, j, s = expand_slots(blocks, firsts, pages, g.slots_per_page)
+        device = g.tensor.device
+        found = region_slots(
+            g, pages, g.num_pages // pages, b.to(device), j.to(device), s.to(device)
+        )
+        return [region[index] for region, index in found]
+    page, lo = tail_pages(g, pages, blocks, firsts)
+    if page.size == 0:
+        return []
+    owner = owner_bytes(g)
+    rows = page_rows(g)[torch.from_numpy(page).to(owner.device)]
+    mask = owner[None, :] >= torch.from_numpy(lo).to(owner.device)[:, None].to(torch.int32)
+    return [rows[mask]]
+
+
+def _view_tail_bytes(cache: torch.Tensor, pages: int, block: int, first: int) -> list[torch.Tensor]:
+    b, j, s = expand_slots(np.array([block]), np.array([first]), pages, int(cache.shape[2]))
+    if b.numel() == 0:
+        return []
     view = cache.unflatten(0, (cache.shape[0] // pages, pages))
-    return [view[b, j, :, s]]
+    device = cache.device
+    return [view[b.to(device), j.to(device), :, s.to(device)]]
 
 
 def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor) -> torch.Tensor:
-    """Region bytes reinterpreted as the cache's float dtype, where whole
-    elements (CPU_ATTN pages); mixed-type pages (indexer values and scales)
-    stay bytes and count no non-finite values."""
+    """Region bytes reinterpreted as the cache's float dtype where every
+    element has one owner (CPU_ATTN and ROCm pages); mixed-type pages (indexer
+    values and scales) stay bytes and count no non-finite values."""
     if not isinstance(cache, RegionCache):
         return part
     dtype = cache.tensor.dtype
     el = cache.tensor.element_size()
-    whole = all(r.offset % el == 0 and r.slot_bytes % el == 0 for r in cache.regions)
+    whole = all(
+        r.offset % el == 0 and r.slot_bytes % el == 0 and r.stride % el == 0 for r in cache.regions
+    )
     if dtype.is_floating_point and whole:
-        return part.contiguous().view(dtype)
+        return part.contiguous().view(-1).view(dtype)
     return part
 
 
@@ -70,17 +89,13 @@ def probe_items(
         set_index, block, first = row
         cache_set = sets[set_index]
         counts = found.setdefault(req_id, [0, 0])
+        pages = cache_set.pages_per_block
         for cache in cache_set.caches:
-            n = cache.slots_per_page if isinstance(cache, RegionCache) else int(cache.shape[2])
-            b, j, s = expand_slots(
-                np.array([block]), np.array([first]), cache_set.pages_per_block, n
-            )
-            if b.numel() == 0:
-                continue
-            device = cache.tensor.device if isinstance(cache, RegionCache) else cache.device
-            for part in _tail_bytes(
-                cache, cache_set.pages_per_block, b.to(device), j.to(device), s.to(device)
-            ):
+            if isinstance(cache, RegionCache):
+                parts = _region_tail_bytes(cache, pages, block, first)
+            else:
+                parts = _view_tail_bytes(cache, pages, block, first)
+            for part in parts:
                 as_bytes = part.contiguous().view(torch.uint8)
                 counts[0] += int(as_bytes.count_nonzero())
                 counts[1] += _nonfinite(_as_values(cache, part))

@@ -82,7 +82,7 @@ def render(o: Outcome) -> str:
     sc = o.scenario
     lines = [f"== {sc.title}", *(f"   {n}" for n in sc.notes)]
     lines.append(
-        f"   attention block: {o.attn_block_size} tokens; "
+        f"   attention block: {o.attn_block_size} tokens; CPU attention ISA: {o.attn_isa}; "
         f"needs_kv_cache_zeroing={o.needs_kv_cache_zeroing}; engines started in "
         f"{o.startup_s:.0f} s"
     )

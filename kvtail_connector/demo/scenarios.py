@@ -89,9 +89,9 @@ def scenario(name: str) -> Scenario:
             title="MooncakeStoreConnector, tiny Qwen3-Next hybrid (Gated DeltaNet + attention), "
             "bfloat16, prefix caching, mamba_cache_mode=align, prefix_match_unit=32",
             notes=[
-                "Store hits end on 32-token units inside 64-token attention blocks; the load "
-                "copies the producer's whole page, so the slots past the hit hold the "
-                "producer's bytes.",
+                "Store hits end on 32-token units, inside attention blocks whose size follows "
+                "the Mamba page size (below); the load copies the producer's whole page, so "
+                "the slots past the hit hold the producer's bytes.",
                 "NaN in every slot of the decode engine before each request (vLLM zeroes new "
                 "blocks of hybrid models, so it must not show).",
                 'zero_tails="auto": the model needs KV-cache zeroing (Mamba layers), '
@@ -131,6 +131,7 @@ class Outcome:
     rows: list[Row]
     needs_kv_cache_zeroing: bool
     attn_block_size: int
+    attn_isa: str  # the CPU attention ISA the engines picked ("vec", "amx", ...)
     startup_s: float
     log_dir: Path
 
@@ -236,4 +237,13 @@ def run(
                 finally:
                     pair.scrub()  # poison must not leak into the next request
                 rows.append(_row(r, name, wrapped, ref, elements_per_slot))
-        return Outcome(sc, rows, kv.needs_kv_cache_zeroing, kv.attn_block_size, startup, log_dir)
+        isas = sorted({str(v["isa"]) for v in kv.attn_layers.values() if isinstance(v, dict)})
+        return Outcome(
+            sc,
+            rows,
+            kv.needs_kv_cache_zeroing,
+            kv.attn_block_size,
+            ", ".join(isas) or "unknown",
+            startup,
+            log_dir,
+        )

@@ -1,15 +1,20 @@
-"""Page geometry: how a KV cache page reduces to regions of consecutive slots.
+"""Page geometry: how a KV cache page reduces to regions of slots.
 
 A *page* is one entry of a cache's dim 0 (a kernel block). Every page holds
 ``N`` token slots, and every slot is spread over one or more *regions*: a
-region is a run of ``slot_bytes`` bytes per slot, slot ``s`` starting at
-``offset + s * slot_stride`` bytes from the page start. Zeroing slot ``s`` of
-a page means zeroing its run in every region, and nothing else.
+region serves an arithmetic run of slots (``first_slot``, ``first_slot +
+slot_step``, ... , ``n_slots`` of them) and gives each of them ``slot_bytes``
+bytes, the k-th starting at ``offset + k * slot_stride`` bytes from the page
+start. Zeroing slot ``s`` of a page means zeroing its run in every region that
+serves ``s``, and nothing else.
 
 - token-major pages (``N`` outside ``H``): one region of ``H*C*elem`` bytes;
 - head-major pages (``H`` outside ``N``): one region per head;
 - values-then-scales pages (the DeepSeek indexer cache): two regions,
-  described explicitly with :class:`RegionCache`.
+  described explicitly with :class:`RegionCache`;
+- pages a writer interleaves (CPU attention's AMX tiles, ROCm's x-packed K):
+  many regions over slot ranges, decomposed from an element -> slot map
+  (``ops/ownership.py``).
 
 Rows (one per region and kernel page of a manager block) are what the kernel
 and the torch path consume; addresses come from the storage and the strides,
@@ -18,11 +23,11 @@ never from guesses about neighbouring pages.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 # Enumerating outer dims per layer must stay a table, not an explosion.
@@ -31,22 +36,39 @@ _MAX_REGIONS_PER_CACHE = 4096
 
 @dataclass(frozen=True)
 class PageRegion:
-    """One run of bytes per slot inside a page.
+    """One run of bytes per slot, for an arithmetic run of a page's slots.
 
     Attributes:
-        offset: bytes from the page start to slot 0's run.
+        offset: bytes from the page start to the run of slot ``first_slot``.
         slot_bytes: bytes of one slot's run.
-        slot_stride: bytes between consecutive slots' runs; defaults to
-            ``slot_bytes`` (slots packed back to back).
+        slot_stride: bytes between the runs of consecutive served slots;
+            defaults to ``slot_bytes`` (runs packed back to back).
+        first_slot: the first page slot the region serves.
+        n_slots: slots served; None: every ``slot_step``-th slot from
+            ``first_slot`` to the end of the page.
+        slot_step: page slots between consecutive served slots.
     """
 
     offset: int
     slot_bytes: int
     slot_stride: int | None = None
+    first_slot: int = 0
+    n_slots: int | None = None
+    slot_step: int = 1
 
     @property
     def stride(self) -> int:
         return self.slot_bytes if self.slot_stride is None else self.slot_stride
+
+    def count(self, slots_per_page: int) -> int:
+        """Slots this region serves in a page of ``slots_per_page`` slots."""
+        if self.n_slots is not None:
+            return self.n_slots
+        return max(0, -(-(slots_per_page - self.first_slot) // self.slot_step))
+
+    def end(self, slots_per_page: int) -> int:
+        """One past the region's last byte, from the page start."""
+        return self.offset + (self.count(slots_per_page) - 1) * self.stride + self.slot_bytes
 
 
 @dataclass(frozen=True)
@@ -99,9 +121,9 @@ def indexer_cache(tensor: torch.Tensor, value_bytes: int, scale_bytes: int) -> R
 class Row:
     """One region of one kernel page of a manager block, as the kernel sees it.
 
-    Byte address of slot ``s`` (``first_slot <= s < first_slot + n_slots``) of
-    manager block ``b``: ``base + b * block_stride + (s - first_slot) *
-    slot_stride``; its run is ``run`` bytes long.
+    The row serves block-local slots ``first_slot + k * slot_step`` for
+    ``0 <= k < n_slots``; the k-th one, in manager block ``b``, starts at byte
+    ``base + b * block_stride + k * slot_stride`` and is ``run`` bytes long.
     """
 
     base: int
@@ -110,6 +132,7 @@ class Row:
     run: int
     n_slots: int
     first_slot: int
+    slot_step: int = 1
 
     @property
     def word_aligned(self) -> bool:
@@ -144,20 +167,33 @@ class CacheGeometry:
     def rows(self, pages_per_block: int) -> list[Row]:
         """Rows for every region and kernel page of a manager block."""
         base = self.tensor.data_ptr()
+        n = self.slots_per_page
         return [
             Row(
                 base=base + j * self.page_stride + r.offset,
                 block_stride=pages_per_block * self.page_stride,
                 slot_stride=r.stride,
                 run=r.slot_bytes,
-                n_slots=self.slots_per_page,
-                first_slot=j * self.slots_per_page,
+                n_slots=r.count(n),
+                first_slot=j * n + r.first_slot,
+                slot_step=r.slot_step,
             )
             for j in range(pages_per_block)
             for r in self.regions
         ]
 
-    @property
+    @functools.cached_property
+    def page_span(self) -> int:
+        """Bytes from a page's start to the end of its last region."""
+        return max(r.end(self.slots_per_page) for r in self.regions)
+
+    @functools.cached_property
+    def regions_id(self) -> int:
+        """A small id equal for equal region tuples (which can be thousands
+        long: hashed once per cache, not per call)."""
+        return _REGION_IDS.setdefault(self.regions, len(_REGION_IDS))
+
+    @functools.cached_property
     def alias_key(self) -> tuple:
         """Equal for caches that zero exactly the same bytes."""
         return (
@@ -166,8 +202,12 @@ class CacheGeometry:
             self.num_pages,
             self.slots_per_page,
             self.page_stride,
-            self.regions,
+            self.regions_id,
         )
+
+
+# Region tuples seen so far -> their ids (see CacheGeometry.regions_id).
+_REGION_IDS: dict[tuple[PageRegion, ...], int] = {}
 
 
 def _regions_of_view(t: torch.Tensor) -> tuple[PageRegion, ...]:
@@ -225,8 +265,17 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
         el = t.element_size()
         page_span = el + sum((t.shape[d] - 1) * t.stride(d) * el for d in range(1, t.dim()))
         for r in cache.regions:
-            end = r.offset + (n - 1) * r.stride + r.slot_bytes
-            if r.offset < 0 or r.slot_bytes <= 0 or r.stride < r.slot_bytes or end > page_span:
+            count = r.count(n)
+            slots_ok = (
+                r.slot_step >= 1
+                and r.first_slot >= 0
+                and count >= 1
+                and r.first_slot + (count - 1) * r.slot_step < n
+            )
+            if not slots_ok:
+                raise ValueError(f"{name}: region {r} serves slots outside a page of {n} slots")
+            stride_ok = count == 1 or r.stride >= r.slot_bytes
+            if r.offset < 0 or r.slot_bytes <= 0 or not stride_ok or r.end(n) > page_span:
                 raise ValueError(
                     f"{name}: region {r} does not fit a page of {page_span} bytes with {n} slots"
                 )
@@ -293,10 +342,13 @@ def whole_block_rows(geoms: Sequence[CacheGeometry], pages_per_block: int) -> li
     strided: list[Row] = []
     for g in geoms:
         for r in g.rows(pages_per_block):
-            if r.slot_stride == r.run:
+            if r.slot_stride == r.run or r.n_slots == 1:
                 spans.setdefault(r.block_stride, []).append((r.base, r.base + r.n_slots * r.run))
             else:
-                strided.append(Row(r.base, r.block_stride, r.slot_stride, r.run, r.n_slots, 0))
+                # A whole block zeroes every slot a row serves, whichever they are.
+                strided.append(
+                    Row(r.base, r.block_stride, r.slot_stride, r.run, r.n_slots, 0, r.slot_step)
+                )
     rows: list[Row] = []
     for block_stride, intervals in spans.items():
         intervals.sort()
@@ -309,49 +361,3 @@ def whole_block_rows(geoms: Sequence[CacheGeometry], pages_per_block: int) -> li
             start, end = lo, hi
         rows.append(Row(start, block_stride, end - start, end - start, 1, 0))
     return rows + list(dict.fromkeys(strided))
-
-
-def regions_from_owner(
-    owner: Sequence[int], n_slots: int, elem_bytes: int
-) -> tuple[PageRegion, ...]:
-    """Describe a page from its element -> slot map, exactly, or refuse.
-
-    ``owner[e]`` is the slot element ``e`` of one page belongs to (-1: to none,
-    e.g. padding). The page must be *affine*: every slot's elements are the
-    same runs as slot 0's, each shifted by a fixed stride per run. The result
-    is verified against the whole map.
-
-    Raises:
-        ValueError: the map is not a per-slot affine layout.
-    """
-    owned = np.asarray(owner, dtype=np.int64)
-    if owned.size == 0 or owned.max() >= n_slots:
-        raise ValueError("page layout: the element map names slots outside the page")
-    cuts = np.flatnonzero(np.diff(owned)) + 1
-    starts = np.concatenate([[0], cuts])
-    ends = np.concatenate([cuts, [owned.size]])
-    runs_by_slot: list[list[tuple[int, int]]] = [[] for _ in range(n_slots)]
-    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-        slot = int(owned[start])
-        if slot >= 0:
-            runs_by_slot[slot].append((start, end - start))
-    base = sorted(runs_by_slot[0])
-    regions = []
-    if n_slots > 1:
-        nxt = sorted(runs_by_slot[1])
-        if len(nxt) != len(base):
-            raise ValueError("page layout: slots 0 and 1 have different run structures")
-        for (a, length), (b, length1) in zip(base, nxt, strict=True):
-            if length != length1:
-                raise ValueError("page layout: a run changes length between slots")
-            regions.append(PageRegion(a * elem_bytes, length * elem_bytes, (b - a) * elem_bytes))
-    else:
-        regions = [PageRegion(a * elem_bytes, length * elem_bytes) for a, length in base]
-    for s in range(n_slots):
-        want = sorted(
-            (r.offset // elem_bytes + s * (r.stride // elem_bytes), r.slot_bytes // elem_bytes)
-            for r in regions
-        )
-        if sorted(runs_by_slot[s]) != want:
-            raise ValueError(f"page layout: slot {s} is not slot 0 shifted by fixed strides")
-    return tuple(regions)

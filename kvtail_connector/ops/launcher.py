@@ -32,7 +32,7 @@ PROGRAMS_PER_SM = 16
 # Work buffer layout (must match the kernel): header words, item columns.
 HEADER = 8
 ITEM_COLS = 4
-ROW_COLS = 8
+ROW_COLS = 9
 # Items a CUDA graph slot holds; larger work takes the staged launch.
 GRAPH_ITEMS = 256
 # Work units are counted in int32 inside the kernel.

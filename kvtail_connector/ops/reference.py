@@ -18,9 +18,18 @@ def _zero_region_cache_slot(cache: RegionCache, page: int, slot: int) -> None:
     el = t.element_size()
     raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
     page_start = (t.storage_offset() + page * t.stride(0)) * el
+    n = cache.slots_per_page
     for region in cache.regions:
         stride = region.slot_bytes if region.slot_stride is None else region.slot_stride
-        start = page_start + region.offset + slot * stride
+        count = (
+            region.n_slots
+            if region.n_slots is not None
+            else -(-(n - region.first_slot) // region.slot_step)
+        )
+        k, rest = divmod(slot - region.first_slot, region.slot_step)
+        if slot < region.first_slot or rest or k >= count:
+            continue  # the region does not serve this slot
+        start = page_start + region.offset + k * stride
         raw[start : start + region.slot_bytes] = 0
 
 

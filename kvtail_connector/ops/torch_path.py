@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.geometry import CacheGeometry
+from kvtail_connector.ops.ownership import owner_of_bytes
 
 
 def expand_slots(
@@ -69,64 +70,99 @@ def zero_group(
         _zero_regions(g, pages_per_block, num_blocks, blocks, firsts)
 
 
-def _page_span(g: CacheGeometry) -> int:
+def owner_bytes(g: CacheGeometry) -> torch.Tensor:
+    """Page slot owning each byte of ``g``'s page span (-1: none), int32, on
+    the cache's device; built once per page geometry (not per layer)."""
+    key = (g.regions_id, g.slots_per_page, g.page_span, g.tensor.device)
+    owner = _OWNERS.get(key)
+    if owner is None:
+        table = owner_of_bytes(g.regions, g.slots_per_page, g.page_span)
+        owner = _OWNERS[key] = torch.from_numpy(table).to(g.tensor.device)
+    return owner
+
+
+def tail_pages(
+    g: CacheGeometry, pages_per_block: int, blocks: np.ndarray, firsts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(page, first local slot to zero) per page the items reach, each page
+    once, from the smallest slot any item names (the union of the items)."""
     n = g.slots_per_page
-    return max(r.offset + (n - 1) * r.stride + r.slot_bytes for r in g.regions)
-
-
-def _owner_bytes(g: CacheGeometry, span: int) -> torch.Tensor:
-    """Slot owning each byte of a page (-1: none), from the regions."""
-    owner = torch.full((span,), -1, dtype=torch.int32)
-    n = g.slots_per_page
-    for r in g.regions:
-        starts = r.offset + torch.arange(n) * r.stride
-        idx = (starts[:, None] + torch.arange(r.slot_bytes)[None, :]).reshape(-1)
-        owner[idx] = torch.arange(n, dtype=torch.int32).repeat_interleave(r.slot_bytes)
-    return owner.to(g.tensor.device)
-
-
-def _zero_regions(
-    g: CacheGeometry, pages_per_block: int, num_blocks: int, blocks: np.ndarray, firsts: np.ndarray
-) -> None:
-    """Region-described pages: one gather, masked fill and scatter of whole
-    page rows (a page may have many regions, e.g. CPU_ATTN's transposed K)."""
-    raw = _byte_storage(g.tensor)
-    first_byte = g.tensor.storage_offset() * g.tensor.element_size()
-    n = g.slots_per_page
-    span = _page_span(g)
-    if span > g.page_stride:
-        # Page rows would overlap (heads outside the block dim): go region by region.
-        b, j, s = expand_slots(blocks, firsts, pages_per_block, n)
-        b, j, s = b.to(raw.device), j.to(raw.device), s.to(raw.device)
-        for r in g.regions:
-            region = torch.as_strided(
-                raw,
-                size=(num_blocks, pages_per_block, n, r.slot_bytes),
-                stride=(pages_per_block * g.page_stride, g.page_stride, r.stride, 1),
-                storage_offset=first_byte + r.offset,
-            )
-            region[b, j, s] = 0
-        return
-    # (page, first local slot) per item and kernel page; a page named twice
-    # is zeroed from the smaller slot (the union of both requests).
     kernel_page = np.arange(pages_per_block)
     lo = np.clip(firsts[:, None] - kernel_page[None, :] * n, 0, n)
     page = blocks[:, None] * pages_per_block + kernel_page[None, :]
     keep = lo < n
     page, lo = page[keep], lo[keep]
     if page.size == 0:
-        return
+        return page, lo
     order = np.lexsort((lo, page))
     page, lo = page[order], lo[order]
     first_of_page = np.concatenate([[True], page[1:] != page[:-1]])
-    page, lo = page[first_of_page], lo[first_of_page]
-    rows = torch.as_strided(raw, (g.num_pages, span), (g.page_stride, 1), storage_offset=first_byte)
-    key = (g.regions, n, span, raw.device)
-    owner = _OWNERS.get(key)
-    if owner is None:
-        owner = _OWNERS[key] = _owner_bytes(g, span)
-    index = torch.from_numpy(page).to(raw.device)
-    mask = owner[None, :] >= torch.from_numpy(lo).to(raw.device)[:, None].to(torch.int32)
+    return page[first_of_page], lo[first_of_page]
+
+
+def page_rows(g: CacheGeometry) -> torch.Tensor:
+    """``[B, page_span]`` uint8 view of every page of a region-described cache
+    (rows overlap when a page's span reaches past the next page's start)."""
+    raw = _byte_storage(g.tensor)
+    first_byte = g.tensor.storage_offset() * g.tensor.element_size()
+    return torch.as_strided(
+        raw, (g.num_pages, g.page_span), (g.page_stride, 1), storage_offset=first_byte
+    )
+
+
+def region_slots(
+    g: CacheGeometry,
+    pages_per_block: int,
+    num_blocks: int,
+    b: torch.Tensor,
+    j: torch.Tensor,
+    s: torch.Tensor,
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Per region, its ``[blocks, pages, served slots, slot_bytes]`` byte view and
+    the indices of the (b, j, s) slots it serves."""
+    raw = _byte_storage(g.tensor)
+    first_byte = g.tensor.storage_offset() * g.tensor.element_size()
+    n = g.slots_per_page
+    out = []
+    for r in g.regions:
+        count = r.count(n)
+        k = torch.div(s - r.first_slot, r.slot_step, rounding_mode="floor")
+        sel = (s >= r.first_slot) & ((s - r.first_slot) % r.slot_step == 0) & (k < count)
+        if not bool(sel.any()):
+            continue
+        region = torch.as_strided(
+            raw,
+            size=(num_blocks, pages_per_block, count, r.slot_bytes),
+            stride=(pages_per_block * g.page_stride, g.page_stride, r.stride, 1),
+            storage_offset=first_byte + r.offset,
+        )
+        out.append((region, (b[sel], j[sel], k[sel])))
+    return out
+
+
+def _zero_regions(
+    g: CacheGeometry, pages_per_block: int, num_blocks: int, blocks: np.ndarray, firsts: np.ndarray
+) -> None:
+    """Region-described pages: one gather, masked fill and scatter of whole
+    page rows (a page may have thousands of regions, e.g. CPU_ATTN's AMX
+    tiles), or region by region where page rows would overlap."""
+    if g.page_span > g.page_stride:
+        # Page rows would overlap (heads outside the block dim): go region by region.
+        b, j, s = expand_slots(blocks, firsts, pages_per_block, g.slots_per_page)
+        device = g.tensor.device
+        for region, served in region_slots(
+            g, pages_per_block, num_blocks, b.to(device), j.to(device), s.to(device)
+        ):
+            region[served] = 0
+        return
+    page, lo = tail_pages(g, pages_per_block, blocks, firsts)
+    if page.size == 0:
+        return
+    rows = page_rows(g)
+    owner = owner_bytes(g)
+    device = owner.device
+    index = torch.from_numpy(page).to(device)
+    mask = owner[None, :] >= torch.from_numpy(lo).to(device)[:, None].to(torch.int32)
     rows[index] = rows[index].masked_fill(mask, 0)
 
 

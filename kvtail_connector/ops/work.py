@@ -46,6 +46,7 @@ def row_table(rows: list[Row]) -> np.ndarray:
             r.first_slot,
             unit,
             int(vectorizable(r)),
+            r.slot_step,
         )
     return table
 

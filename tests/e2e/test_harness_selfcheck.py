@@ -23,11 +23,10 @@ from kvtail_connector.demo.engine import EngineProcess
 from kvtail_connector.demo.pd import PDPair, make_prompt
 from kvtail_connector.demo.records import EngineConfig
 from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
-from tests.e2e.support import require
+from tests.e2e.support import mid_block_hit, require, require_bf16
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 32
 MAX_TOKENS = 8
 PARTIAL = make_prompt(45, seed=1)  # last block holds 13 of 32 slots
 FULL = make_prompt(64, seed=2)  # last block full: no tail to go stale
@@ -96,13 +95,13 @@ class TestNixl:
         pd.scrub()
         assert pd.decode is not None
         assert pd.decode.nan_census() == {}, "decode engine must start NaN-free"
-        n = len(PARTIAL)
-        written = n % BLOCK  # 13 slots the producer wrote in its last block
+        n, block = len(PARTIAL), pd.attn_block_size
+        written = n % block  # 13 slots the producer wrote in its last block
         try:
             r = pd.run(PARTIAL, MAX_TOKENS, poison_tail=math.nan)
             assert r.decode_last_block_nan is not None
             layers = sorted(r.decode_last_block_nan)
-            assert r.poisoned_slots == len(layers) * (BLOCK - written)
+            assert r.poisoned_slots == len(layers) * (block - written)
 
             # The consumer recomputes the last prompt token (slot 12) and writes
             # one slot per generated token but the last: slots 12 .. 19. Every
@@ -110,7 +109,7 @@ class TestNixl:
             first = r.decode_last_block_nan[layers[0]]
             per_slot = max(first)  # K and V of every head: all elements NaN
             assert per_slot > 0
-            assert all(first[s] == per_slot for s in range(written + MAX_TOKENS - 1, BLOCK)), first
+            assert all(first[s] == per_slot for s in range(written + MAX_TOKENS - 1, block)), first
             assert all(first[s] == 0 for s in range(written)), first
 
             # 0 * NaN in the masked attention poisons the logits: greedy decoding
@@ -142,7 +141,8 @@ class TestMooncake:
             assert r.decode.token_ids == references[len(prompt)], len(prompt)
             # Uniform model: the store holds full blocks only, so hits are block aligned.
             hits = [h["matched"] for h in r.decode.connector_hits]
-            assert hits and hits[0] == (len(prompt) // BLOCK) * BLOCK, hits
+            block = pd.attn_block_size
+            assert hits and hits[0] == (len(prompt) // block) * block, hits
 
 
 class TestHybrid:
@@ -156,22 +156,28 @@ class TestHybrid:
         with PDPair(path, "nixl", log_dir=tmp_path_factory.mktemp("hyb-nixl")) as pd:
             assert pd.kv is not None and pd.prefill is not None
             assert pd.kv.needs_kv_cache_zeroing
-            assert pd.attn_block_size == BLOCK
+            # The attention block follows the Mamba page size: whatever the engine says.
+            block = pd.attn_block_size
+            written = len(PARTIAL) % block
+            assert written, block  # the prompt must end mid-block
             local = pd.prefill.generate([PARTIAL], MAX_TOKENS)[0].token_ids
             assert pd.run(PARTIAL, MAX_TOKENS).decode.token_ids == local
-            r = pd.run(make_prompt(45, seed=11), MAX_TOKENS, poison_tail=math.nan)
-            assert r.poisoned_slots == BLOCK - 45 % BLOCK  # one attention layer
+            r = pd.run(make_prompt(len(PARTIAL), seed=11), MAX_TOKENS, poison_tail=math.nan)
+            assert r.poisoned_slots == block - written  # one attention layer
             tail = r.decode_tail_nan_slots()
-            assert all(s in v for v in tail.values() for s in range(20, BLOCK)), tail
+            untouched = range(written + MAX_TOKENS - 1, block)
+            assert all(s in v for v in tail.values() for s in untouched), tail
             assert len(set(r.decode.token_ids)) == 1, r.decode.token_ids
 
     def test_mooncake_hit_ends_mid_block_on_hybrid_with_prefix_caching(
         self, model: str, tmp_path_factory: pytest.TempPathFactory
     ) -> None:
         """Qwen3-Next (GDN) with prefix caching, align mode and a 32-token match
-        unit under a 64-token block: the store hit ends inside an attention block.
+        unit: the store hit ends inside an attention block (of the size the engine
+        reports; it follows the Mamba page size).
         vLLM zeroes the consumer's new blocks first, so its own NaN never shows."""
         require("mooncake.store")
+        require_bf16()
         path = str(ensure_tiny_hybrid(kind="qwen3_next"))
         engine = {
             "dtype": "bfloat16",  # the CPU GDN kernel takes bf16 only
@@ -183,11 +189,11 @@ class TestHybrid:
             assert pd.kv is not None and pd.prefill is not None
             assert pd.kv.needs_kv_cache_zeroing
             assert pd.kv.cache_hit_alignment_tokens == 32
-            block = pd.attn_block_size
-            prompt = make_prompt(100, seed=12)
+            length, expected_hit = mid_block_hit(pd.attn_block_size, 32)
+            prompt = make_prompt(length, seed=12)
             local = pd.prefill.generate([prompt], MAX_TOKENS)[0].token_ids
             r = pd.run(prompt, MAX_TOKENS, poison_consumer=math.nan)
             hit = r.decode.connector_hits[0]["matched"]
-            assert hit == 96 and hit % block != 0, (hit, block)
+            assert hit == expected_hit, (hit, pd.attn_block_size)
             assert r.decode.token_ids == local
             assert r.decode_tail_nan_slots() == {k: [] for k in r.decode_last_block_nan or {}}

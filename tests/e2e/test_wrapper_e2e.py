@@ -28,11 +28,10 @@ import pytest
 from kvtail_connector.demo.engine import start_engines
 from kvtail_connector.demo.pd import PDPair, PDResult, make_prompt, wrapped_kv_config
 from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
-from tests.e2e.support import require
+from tests.e2e.support import mid_block_hit, require, require_bf16
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 32
 MAX_TOKENS = 8
 PARTIAL = make_prompt(45, seed=21)  # last block: 13 of 32 slots written
 LONG = make_prompt(77, seed=22)  # 2 full blocks + 13
@@ -104,14 +103,14 @@ class TestNixl:
         pd = pairs.wrapped
         assert pd.kv is not None and not pd.kv.needs_kv_cache_zeroing  # hence "always"
         slot_bytes = _slot_bytes(pd, 4)  # float32
-        layers = len(pd.kv.attn_layers)
+        layers, block = len(pd.kv.attn_layers), pd.attn_block_size
         for prompt in (PARTIAL, LONG):
             n = len(prompt)
-            written = n % BLOCK
+            written = n % block
             try:
                 r = pd.run(prompt, MAX_TOKENS, poison_tail=math.nan)
                 assert r.hit == n
-                assert r.poisoned_slots == layers * (BLOCK - written)
+                assert r.poisoned_slots == layers * (block - written)
                 # Nothing of the NaN reached the decode engine's blocks, and it decoded
                 # exactly like one engine.
                 assert r.decode_nan == 0, r.decode_tail_nan_slots()
@@ -155,13 +154,14 @@ class TestNixl:
         """The control: without the wrapper the same request breaks."""
         pd = pairs.plain
         assert pd.kv is not None
-        written = len(PARTIAL) % BLOCK
+        block = pd.attn_block_size
+        written = len(PARTIAL) % block
         try:
             r = pd.run(PARTIAL, MAX_TOKENS, poison_tail=math.nan)
             assert r.kvtail == {}  # no wrapper, no counters
             tail = r.decode_tail_nan_slots()
             assert all(
-                set(range(written + MAX_TOKENS - 1, BLOCK)) <= set(v) for v in tail.values()
+                set(range(written + MAX_TOKENS - 1, block)) <= set(v) for v in tail.values()
             ), tail
             assert r.decode_nan
             assert r.decode.token_ids != pairs.refs[len(PARTIAL)]
@@ -195,7 +195,8 @@ class TestMooncake:
             # reason for the wrapper to act.
             r = pd.run(prompt, MAX_TOKENS, poison_consumer=FINITE_STALE)
             assert r.decode.token_ids == ref, len(prompt)
-            assert r.hit == (len(prompt) // BLOCK) * BLOCK  # whole blocks only
+            block = pd.attn_block_size
+            assert r.hit == (len(prompt) // block) * block  # whole blocks only
             k = r.kvtail
             assert k["tails_zeroed"] == 0 and k["tail_bytes_zeroed"] == 0, k
             assert k["probed_tails"] == 0 and k["failed_loads"] == 0, k
@@ -205,6 +206,7 @@ class TestHybridMooncake:
     @pytest.fixture(scope="class")
     def pd(self, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
         require("mooncake.store")
+        require_bf16()
         path = str(ensure_tiny_hybrid(kind="qwen3_next"))
         engine = {
             "dtype": "bfloat16",  # the CPU GDN kernel takes bf16 only
@@ -224,19 +226,21 @@ class TestHybridMooncake:
     def test_mid_block_hit_tail_is_zeroed(self, pd: PDPair) -> None:
         assert pd.kv is not None and pd.prefill is not None
         assert pd.kv.needs_kv_cache_zeroing  # "auto" zeroes tails on this model
-        block = pd.attn_block_size
-        prompt = make_prompt(100, seed=24)
+        assert pd.kv.cache_hit_alignment_tokens == 32  # prefix_match_unit
+        block = pd.attn_block_size  # follows the Mamba page size: the engine says
+        length, expected_hit = mid_block_hit(block, 32)
+        prompt = make_prompt(length, seed=24)
         local = pd.prefill.generate([prompt], MAX_TOKENS)[0].token_ids
         try:
             r = pd.run(prompt, MAX_TOKENS, poison_consumer=math.nan)
-            assert r.hit == 96 and r.hit % block, (r.hit, block)
+            assert r.hit == expected_hit, (r.hit, block)
             assert r.decode.token_ids == local
             assert r.decode_nan == 0
             k = r.kvtail
             assert k["tails_zeroed"] == 1, k
             assert k["tail_bytes_zeroed"] == (block - r.hit % block) * _slot_bytes(pd, 2), k
             # The store load copies the producer's whole page, so slots past the hit
-            # held the producer's bytes (its KV of tokens 96..99) when they were zeroed.
+            # held the producer's bytes (its KV of the prompt's last tokens) when zeroed.
             assert k["probed_tails"] == 1 and k["stale_nonzero_bytes"] > 0, k
             first_untouched = len(prompt) + MAX_TOKENS - 1 - (len(prompt) - 1) // block * block
             assert _tail_nonzero(pd, r, first_untouched) == {

@@ -6,7 +6,7 @@ import triton.language as tl
 # Layout of the int64 work buffer and row table; built by ops/plan.py.
 HEADER: tl.constexpr = tl.constexpr(8)
 ITEM_COLS: tl.constexpr = tl.constexpr(4)
-ROW_COLS: tl.constexpr = tl.constexpr(8)
+ROW_COLS: tl.constexpr = tl.constexpr(9)
 
 
 @triton.jit
@@ -27,11 +27,12 @@ def zero_kv_slots_kernel(
     Item columns: block id, first slot to zero (block-local, across the
     block's kernel pages), first row, row count. Row columns: base byte
     address, block stride (bytes), slot stride (units), run (units), slots
-    per page, block-local slot of the page's slot 0, unit (4: int32 stores,
-    1: byte stores), and a flag for rows that are 16-byte aligned with runs
-    of whole 16-byte vectors (then stores are 16 bytes wide). Slot ``s`` of
-    block ``b`` starts at ``base + b * block_stride + (s - row_first_slot) *
-    slot_stride * unit`` bytes.
+    the row serves, block-local slot of its first one, unit (4: int32
+    stores, 1: byte stores), a flag for rows that are 16-byte aligned with
+    runs of whole 16-byte vectors (then stores are 16 bytes wide), and the
+    slot step. The row serves slots ``row_first_slot + k * slot_step`` for
+    ``k < n_slots``; the k-th one, in block ``b``, starts at ``base + b *
+    block_stride + k * slot_stride * unit`` bytes.
     """
     n_whole = tl.load(work_ptr + 0).to(tl.int32)
     rows_whole = tl.load(work_ptr + 1).to(tl.int32)
@@ -65,7 +66,9 @@ def zero_kv_slots_kernel(
             page_first = tl.load(row + 5)
             unit = tl.load(row + 6)
             vec = tl.load(row + 7)
-            lo = tl.minimum(tl.maximum(first - page_first, 0), n_slots)
+            step = tl.load(row + 8)
+            # First served slot at or past `first` (operands >= 0: floor = trunc).
+            lo = tl.minimum((tl.maximum(first - page_first, 0) + step - 1) // step, n_slots)
             span = (n_slots - lo) * run
             start = chunk.to(tl.int64) * BLOCK
             if start < span:
