@@ -24,6 +24,12 @@ from kvtail_connector import _compat, cpu_pages, rocm_pages
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.ops import RegionCache, indexer_cache
 
+# What "off" does and does not switch off, for refusals that suggest it.
+_OFF_HINT = (
+    'set kv_connector_extra_config.zero_tails to "off" if this model needs no tail zeroing '
+    "(with MoRIIO READ on a model vLLM zeroes, the producer tails READs copy are zeroed "
+    '"off" or not, so it does not help there).'
+)
 # Layer classes whose cache pages hold all values, then all scales (fp8).
 INDEXER_LAYER_CLASSES = frozenset({"DeepseekV32IndexerCache", "DeepseekV4IndexerCache"})
 # fp8 indexer slot: D fp8 values + D/128 fp32 scales (D + D/32 bytes).
@@ -85,8 +91,7 @@ def _cpu_attn_cache(layer: str, view: torch.Tensor, layer_object: Any) -> Region
             f"KVTailConnector: layer {layer!r} (CPU_ATTN, ISA {isa!r}, kv_cache_dtype "
             f"{dtype!r}): {str(e).rstrip('.')}. Its tails cannot be zeroed exactly. "
             "vLLM picks the CPU attention ISA from --dtype, the block size and the head "
-            'size (on x86, --dtype float32 selects "vec"): change one of them, or set '
-            'kv_connector_extra_config.zero_tails to "off" if this model needs no tail zeroing.'
+            f'size (on x86, --dtype float32 selects "vec"): change one of them, or {_OFF_HINT}'
         ) from e
     return RegionCache(view, int(view.shape[2]), regions)
 
@@ -122,7 +127,7 @@ def _as_cache(layer: str, view: torch.Tensor, spec: Any, layer_object: Any) -> A
     raise ValueError(
         f"KVTailConnector: indexer cache layer {layer!r} has {c_bytes}-byte slots, which match "
         "neither the fp8 (values then scales) nor the MXFP4 indexer page; its tails cannot be "
-        'zeroed exactly. Use zero_tails: "off" for this model and report the layout.'
+        f"zeroed exactly. Report the layout, or {_OFF_HINT}"
     )
 
 
