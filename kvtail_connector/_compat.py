@@ -6,6 +6,7 @@ Other modules ask this one; none of them compares versions itself.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 SUPPORTED = ((0, 32), (0, 33))
@@ -16,30 +17,44 @@ class UnsupportedVLLMError(RuntimeError):
     """The installed vLLM is outside the supported range."""
 
 
-def vllm_version() -> tuple[int, int]:
+def installed_vllm() -> str:
+    """The installed vLLM's ``__version__`` text (``"unknown"`` if it has none)."""
     import vllm
 
-    text = getattr(vllm, "__version__", "0.0")
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise UnsupportedVLLMError(
-            f"kvtail-connector supports {SUPPORTED_TEXT}; cannot parse vLLM version {text!r}"
-        ) from None
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _parse(text: str) -> tuple[int, int] | None:
+    # "0.33.1", "0.33.0rc1", "0.33.1.dev5+gabc" -> (0, 33); "dev" -> None.
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def is_supported_vllm() -> bool:
+    """Whether the installed vLLM is one this package supports (never raises)."""
+    return _parse(installed_vllm()) in SUPPORTED
+
+
+def unsupported_vllm_message() -> str:
+    """The one message for an unsupported vLLM: the range, what is installed, the fix."""
+    return (
+        f"kvtail-connector supports {SUPPORTED_TEXT}; the installed vLLM is "
+        f"{installed_vllm()}. Install a supported vLLM (pip install 'vllm>=0.32,<0.34') or a "
+        "kvtail-connector release that supports yours, or remove KVTailConnector from "
+        "--kv-transfer-config."
+    )
 
 
 def check_vllm_version() -> tuple[int, int]:
-    """Return ``(major, minor)``; raise one clear error outside the supported range."""
-    import vllm
+    """``(major, minor)`` of the installed vLLM; one clear error outside the supported range.
 
-    version = vllm_version()
-    if version not in SUPPORTED:
-        raise UnsupportedVLLMError(
-            f"kvtail-connector supports {SUPPORTED_TEXT}; found vLLM {vllm.__version__}. "
-            "Install a supported vLLM (pip install 'vllm>=0.32,<0.34') or a "
-            "kvtail-connector release that supports yours."
-        )
+    Only ``KVTailConnector`` (its constructor and the classmethods vLLM calls
+    before building it) asks this: an engine that does not use the wrapper
+    never sees the error.
+    """
+    version = _parse(installed_vllm())
+    if version is None or version not in SUPPORTED:
+        raise UnsupportedVLLMError(unsupported_vllm_message())
     return version
 
 
@@ -50,7 +65,7 @@ def moriio_reads_landed_at_start(forward_context: Any) -> bool:
     where no host wait can run inside the graph; otherwise each attention
     layer's READs land in that layer's ``wait_for_layer_load``, inside the forward.
     """
-    if vllm_version() >= (0, 33):
+    if check_vllm_version() >= (0, 33):
         return True
     from vllm.config import CUDAGraphMode
 
@@ -60,7 +75,7 @@ def moriio_reads_landed_at_start(forward_context: Any) -> bool:
 
 def moriio_reads_may_land_per_layer() -> bool:
     """0.32: outside FULL CUDA graphs, MoRIIO READs land in ``wait_for_layer_load``."""
-    return vllm_version() < (0, 33)
+    return check_vllm_version() < (0, 33)
 
 
 def replace_transfer_config(config: Any, **changes: Any) -> Any:

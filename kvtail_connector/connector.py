@@ -375,6 +375,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        _compat.check_vllm_version()  # asked before the connector is built
         assert vllm_config.kv_transfer_config is not None
         inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
         return inner_cls.get_required_kvcache_layout(backend.inner_vllm_config(vllm_config, cfg))
@@ -383,6 +384,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         from vllm.config.kv_transfer import KVTransferConfig
 
+        _compat.check_vllm_version()  # asked while vLLM builds its config
         cfg = KVTailConfig.from_extra_config(extra_config)
         # Only the class matters here; vLLM passes no role to this classmethod.
         ktc = KVTransferConfig(
@@ -396,6 +398,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        _compat.check_vllm_version()  # asked while vLLM builds its config (0.33)
         inner_cls, inner_ktc, _ = _inner_class(kv_transfer_config)
         check = getattr(inner_cls, "supports_sleep_mode", None)
         return bool(check(inner_ktc)) if check is not None else False
@@ -414,6 +417,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
+        _compat.check_vllm_version()  # asked by the front end at start-up
         assert vllm_config.kv_transfer_config is not None
         inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
         inner = inner_cls.build_prom_metrics(

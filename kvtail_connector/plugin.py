@@ -1,29 +1,52 @@
 """``vllm.general_plugins`` entry point: make ``KVTailConnector`` a known name.
 
-vLLM runs general plugins in every process it starts, so this must be
-re-entrant and cheap: it registers a lazy (module, class) pair and imports
-nothing heavy. With it, ``kv_connector_module_path`` is optional.
+vLLM runs general plugins in every process it starts, without a try
+(``EngineArgs.__post_init__`` among others), so whatever goes wrong here
+would stop every engine of the machine, also those that never use the
+wrapper. This therefore never raises: it registers a lazy (module, class)
+pair, imports nothing heavy, and only warns when the installed vLLM is one
+the wrapper does not support. The refusal belongs to ``KVTailConnector``
+itself, at start-up of an engine that asked for it. With the plugin,
+``kv_connector_module_path`` is optional.
 """
 
 from __future__ import annotations
 
 CONNECTOR_NAME = "KVTailConnector"
 
+_warned = False
+
 
 def register() -> None:
     """Register ``KVTailConnector`` with vLLM's connector factory (idempotent).
 
-    Raises:
-        kvtail_connector._compat.UnsupportedVLLMError: the installed vLLM is
-            outside the supported range (one clear message at start-up).
+    Never raises. Warns once per process when the installed vLLM is outside
+    the supported range, or when registering fails.
     """
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from kvtail_connector import _compat
+    from kvtail_connector.log import get_logger
 
-    _compat.check_vllm_version()
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
-        return
-    KVConnectorFactory.register_connector(
-        CONNECTOR_NAME, "kvtail_connector.connector", CONNECTOR_NAME
-    )
+    logger = get_logger(__name__)
+    global _warned
+    if not _compat.is_supported_vllm() and not _warned:
+        _warned = True
+        logger.warning(
+            "%s Engines that do not name KVTailConnector are unaffected.",
+            _compat.unsupported_vllm_message(),
+        )
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        if CONNECTOR_NAME not in KVConnectorFactory._registry:
+            KVConnectorFactory.register_connector(
+                CONNECTOR_NAME, "kvtail_connector.connector", CONNECTOR_NAME
+            )
+    except Exception as e:  # noqa: BLE001 - a plugin must not take vLLM down
+        logger.warning(
+            "kvtail-connector could not register %s with vLLM %s (%s: %s); an engine that "
+            'uses it can still set "kv_connector_module_path": "kvtail_connector".',
+            CONNECTOR_NAME,
+            _compat.installed_vllm(),
+            type(e).__name__,
+            e,
+        )

@@ -143,7 +143,7 @@ def test_without_per_layer_support_the_reads_are_zeroed_at_start():
 @pytest.mark.parametrize("mode", [CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE])
 def test_when_reads_have_landed_at_start(mode):
     landed = _compat.moriio_reads_landed_at_start(SimpleNamespace(cudagraph_runtime_mode=mode))
-    if _compat.vllm_version() >= (0, 33):
+    if _compat.check_vllm_version() >= (0, 33):
         assert landed and not _compat.moriio_reads_may_land_per_layer()
     else:
         # 0.32 MoRIIO awaits every READ in start_load_kv only under FULL graphs.
