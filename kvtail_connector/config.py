@@ -6,10 +6,19 @@ re-reads the user's dict, and nothing writes to it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 PREFIX = "kv_connector_extra_config"
 
@@ -19,7 +28,7 @@ _FIELD_HELP = {
     "backend_module_path": "a Python module path that defines the backend class",
     "backend_extra_config": "a JSON object passed to the backend as its kv_connector_extra_config",
     "zero_tails": 'one of "auto" (zero when vLLM zeroes new blocks), "always" or "off"',
-    "probe_stale_tails": "true or false",
+    "probe_stale_tails": "true or false (a JSON boolean, not a string or a number)",
 }
 
 
@@ -46,24 +55,23 @@ class KVTailConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: str = Field(min_length=1)
+    backend: str
     backend_module_path: str | None = None
     backend_extra_config: dict[str, Any] = Field(default_factory=dict)
     zero_tails: Literal["auto", "always", "off"] = "auto"
-    probe_stale_tails: bool = False
+    # Strict: "yes", "false" or 1 would otherwise parse as booleans.
+    probe_stale_tails: StrictBool = False
 
     @field_validator("backend", "backend_module_path")
     @classmethod
-    def _no_blank(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("must not be blank")
-        return value
-
-    @field_validator("backend")
-    @classmethod
-    def _not_self(cls, value: str) -> str:
-        if value == "KVTailConnector":
-            raise ValueError("KVTailConnector cannot wrap itself; name the connector it wraps")
+    def _stripped(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # Names and module paths never contain spaces: surrounding ones (shell
+        # quoting, hand-written JSON) are dropped rather than refused.
+        if value is None:
+            return None
+        value = value.strip()
+        if not value:
+            raise ValueError(f"must not be blank; expected {_FIELD_HELP[str(info.field_name)]}")
         return value
 
     @classmethod
@@ -83,6 +91,13 @@ class KVTailConfig(BaseModel):
             raise ValueError(_explain(e)) from None
 
 
+def _shown(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _explain(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
@@ -95,7 +110,10 @@ def _explain(error: ValidationError) -> str:
                 hint += " (the backend's own settings go in backend_extra_config)"
         elif err["type"] == "missing":
             hint = f"required: {_FIELD_HELP.get(name, 'set it')}"
+        elif err["type"] == "value_error":
+            # Our validators' own sentences, without pydantic's "Value error, ".
+            hint = str(err.get("ctx", {}).get("error", err["msg"]))
         else:
-            hint = f"{err['msg']}; expected {_FIELD_HELP.get(name, 'a valid value')}"
+            hint = f"got {_shown(err['input'])}; expected {_FIELD_HELP.get(name, 'a valid value')}"
         lines.append(f"{PREFIX}.{field}: {hint}")
     return "invalid KVTailConnector configuration:\n  " + "\n  ".join(lines)

@@ -30,7 +30,6 @@ def test_frozen_and_user_dict_untouched():
         (None, ["kv_connector_extra_config.backend: required"]),
         ({"backend": ""}, ["kv_connector_extra_config.backend"]),
         ({"backend": "  "}, ["kv_connector_extra_config.backend", "blank"]),
-        ({"backend": "KVTailConnector"}, ["cannot wrap itself"]),
         (
             {"backend": "NixlConnector", "zero_tails": "yes"},
             ["kv_connector_extra_config.zero_tails", '"auto"', '"always"', '"off"'],
@@ -47,6 +46,21 @@ def test_frozen_and_user_dict_untouched():
             {"backend": "NixlConnector", "probe_stale_tails": "maybe"},
             ["kv_connector_extra_config.probe_stale_tails", "true or false"],
         ),
+        # Booleans are strict: a string or a number is a mistake, not a yes.
+        (
+            {"backend": "NixlConnector", "probe_stale_tails": "yes"},
+            ['kv_connector_extra_config.probe_stale_tails: got "yes"; expected true or false'],
+        ),
+        (
+            {"backend": "NixlConnector", "probe_stale_tails": "false"},
+            ['kv_connector_extra_config.probe_stale_tails: got "false"'],
+        ),
+        (
+            {"backend": "NixlConnector", "probe_stale_tails": 1},
+            ["kv_connector_extra_config.probe_stale_tails: got 1"],
+        ),
+        ({"backend": 3}, ["kv_connector_extra_config.backend: got 3; expected the connector"]),
+        ({"backend": "NixlConnector", "backend_module_path": " "}, ["backend_module_path", "blank"]),
         (
             {"backend": "NixlConnector", "backend_extra_config": [1]},
             ["kv_connector_extra_config.backend_extra_config", "JSON object"],
@@ -59,6 +73,22 @@ def test_errors_name_the_field_and_the_fix(extra, fragments):
         KVTailConfig.from_extra_config(extra)
     for fragment in fragments:
         assert fragment in str(info.value)
+    # Written for a person: none of pydantic's own phrasing leaks through.
+    for leak in ("Value error,", "Input should be", "String should", "type=", "pydantic"):
+        assert leak not in str(info.value)
+
+
+def test_booleans_are_strict_json_booleans():
+    for value in (True, False):
+        extra = {"backend": "NixlConnector", "probe_stale_tails": value}
+        assert KVTailConfig.from_extra_config(extra).probe_stale_tails is value
+
+
+def test_stray_spaces_around_names_are_stripped():
+    cfg = KVTailConfig.from_extra_config(
+        {"backend": " NixlConnector\t", "backend_module_path": " my.connectors  "}
+    )
+    assert cfg.backend == "NixlConnector" and cfg.backend_module_path == "my.connectors"
 
 
 def test_several_problems_reported_at_once():
