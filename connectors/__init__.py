@@ -6,11 +6,13 @@ that no optional transport is imported just to choose).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .base import BackendAdapter
 from .mooncake_store import MooncakeStoreAdapter
 from .moriio import MoRIIOAdapter
+from .multi import MultiConnectorAdapter
 from .nixl import NixlAdapter
 
 _BY_CLASS_NAME: dict[str, type[BackendAdapter]] = {
@@ -24,7 +26,15 @@ _BY_CLASS_NAME: dict[str, type[BackendAdapter]] = {
 EXTRAS = {"Nixl": "nixl", "Mooncake": "mooncake", "MoRIIO": "moriio"}
 
 
-def adapter_for(inner_cls: type, inner_extra_config: dict[str, Any]) -> BackendAdapter:
+def adapter_for(
+    inner_cls: type,
+    inner_extra_config: dict[str, Any],
+    children: Sequence[tuple[str, BackendAdapter]] = (),
+) -> BackendAdapter:
+    """The adapter for ``inner_cls``. A MultiConnector gets its children's
+    adapters (``(label, adapter)`` in ``connectors`` order), applied per child."""
+    if any(klass.__name__ == "MultiConnector" for klass in inner_cls.__mro__):
+        return MultiConnectorAdapter(inner_extra_config, children)
     for klass in inner_cls.__mro__:
         adapter = _BY_CLASS_NAME.get(klass.__name__)
         if adapter is not None:
@@ -39,4 +49,4 @@ def extra_for(backend_name: str) -> str | None:
     return None
 
 
-__all__ = ["BackendAdapter", "adapter_for", "extra_for"]
+__all__ = ["BackendAdapter", "MultiConnectorAdapter", "adapter_for", "extra_for"]

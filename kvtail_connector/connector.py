@@ -25,13 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtail_connector import _compat, backend
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.connectors import adapter_for
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.prom import KVTailPromMetrics
 from kvtail_connector.scheduler import TailScheduler
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.stats import KVTailStats, connector_path
 from kvtail_connector.worker import RankPlacement, TailWorker
 
 if TYPE_CHECKING:
@@ -72,19 +71,23 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         _compat.check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         assert vllm_config.kv_transfer_config is not None, "checked by the base class"
-        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
+        inner_cls, inner_ktc, cfg = _inner_class(vllm_config.kv_transfer_config)
         self._cfg = cfg
         inner_config = backend.inner_vllm_config(vllm_config, cfg)
-        adapter = adapter_for(inner_cls, dict(cfg.backend_extra_config))
+        # A MultiConnector backend: each child gets its own adapter, at its index.
+        children = backend.children_of(inner_cls, inner_ktc)
+        adapter = backend.build_adapter(inner_cls, inner_ktc, children)
         adapter.validate(vllm_config, cfg.backend)
         self._inner_hma = supports_hma(inner_cls)
-        hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
-        if hma_enabled and not self._inner_hma:
-            raise ValueError(
-                f"{cfg.backend} does not support the hybrid KV cache manager (HMA). vLLM turns "
-                "HMA off by itself only when it sees such a connector by name, which it cannot "
-                "through KVTailConnector: pass --disable-hybrid-kv-cache-manager."
-            )
+        if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+            blocker = backend.hma_blocker(f"{backend.BACKEND} ({cfg.backend})", inner_ktc, children)
+            if blocker is not None:
+                raise ValueError(
+                    f"{blocker}: does not support the hybrid KV cache manager (HMA), which is "
+                    "on. vLLM turns HMA off by itself only for a top-level connector without "
+                    "it, and the top level here is KVTailConnector: pass "
+                    "--disable-hybrid-kv-cache-manager."
+                )
         self._inner: KVConnectorBase_V1 = backend.build_inner(
             inner_cls, inner_config, role, kv_cache_config, cfg
         )
@@ -106,7 +109,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         )
         groups = group_infos(kv_cache_config, dcp_world)
         has_mamba = bool(kv_cache_config.has_mamba_layers)
-        self._stats = KVTailStats()
+        self._stats = KVTailStats(inner_connector=connector_path(inner_cls))
         self._last_held = 0  # the held_requests level last reported
         # MoRIIO READ tails are zeroed once the READ has landed: after
         # start_load_kv, or per layer after wait_for_layer_load (0.32).
@@ -427,5 +430,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             per_engine_labelvalues,
         )
         return KVTailPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues, inner
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            {connector_path(inner_cls): inner} if inner is not None else {},
         )

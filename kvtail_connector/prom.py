@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
@@ -30,7 +31,14 @@ assert set(GAUGE_METRICS) == set(GAUGES), "every gauge has a metric"
 class KVTailPromMetrics(KVConnectorPromMetrics):
     """One counter per :data:`~kvtail_connector.stats.COUNTERS` entry, per
     engine, with vLLM's labels; the inner connector's metrics observe their
-    own payload."""
+    own payload.
+
+    Args:
+        inner: the inner connector's metrics by connector class path (the key
+            its stats payload is filed under). A payload of another inner
+            connector (a second wrapper under one outer MultiConnector, which
+            builds metrics once per class) is not observed.
+    """
 
     def __init__(
         self,
@@ -38,10 +46,10 @@ class KVTailPromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-        inner: KVConnectorPromMetrics | None,
+        inner: Mapping[str, KVConnectorPromMetrics],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._inner = inner
+        self._inner = dict(inner)
         self._counters = {
             name: create_metric_per_engine(
                 self._counter_cls(
@@ -72,6 +80,7 @@ class KVTailPromMetrics(KVConnectorPromMetrics):
         for name, per_engine in self._gauges.items():
             if name in transfer_stats_data:
                 per_engine[engine_idx].set(int(transfer_stats_data[name]))  # type: ignore[union-attr]
-        inner = transfer_stats_data.get(INNER)
-        if self._inner is not None and inner is not None:
-            self._inner.observe(inner, engine_idx)
+        for path, payload in (transfer_stats_data.get(INNER) or {}).items():
+            metrics = self._inner.get(path)
+            if metrics is not None:
+                metrics.observe(payload, engine_idx)

@@ -1,18 +1,25 @@
 """``KVConnectorStats`` for the wrapper, carrying the inner connector's beside ours.
 
 The payload crossing processes is a plain dict (msgspec/pickle-safe): our
-counters, plus the inner connector's own payload and where to find its class
-to rebuild it on the front end (vLLM resolves stats through the top-level
-connector class only).
+counters, plus each inner connector's own payload filed under that
+connector's class path. vLLM rebuilds stats through the top-level connector
+class only (``build_kv_connector_stats``), so on the front end the wrapper
+rebuilds the inner stats the same way, through the inner connector class's
+own ``build_kv_connector_stats``: a MultiConnector backend rebuilds its
+children there, as it would at the top level.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtail_connector.log import get_logger
+
+logger = get_logger(__name__)
 
 COUNTERS = (
     "tails_zeroed",
@@ -27,25 +34,28 @@ COUNTERS = (
 # reports its level in every step where it is non-zero or has just changed,
 # and leaves it out otherwise; the largest value reported in a step wins.
 GAUGES = ("held_requests",)
-INNER = "inner"
-INNER_CLASS = "inner_class"  # "module:QualName" of the inner stats class
+INNER = "inner"  # {"module:QualName" of an inner connector class: its stats payload}
 
 
-def _class_path(cls: type) -> str:
+def connector_path(cls: type) -> str:
+    """``"module:QualName"`` of a connector class: the key its stats are filed under."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def _load_class(path: str) -> type | None:
+def _load_connector(path: str) -> Any:
     module, _, name = path.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
     except (ImportError, AttributeError):
         return None
+    return obj if callable(getattr(obj, "build_kv_connector_stats", None)) else None
 
 
 @dataclass
 class KVTailStats(KVConnectorStats):
-    """Counters since the last reset, and the inner connector's stats.
+    """Counters since the last reset, and the inner connectors' stats.
 
     Counters: ``tails_zeroed`` (requests whose loaded tail was zeroed),
     ``tail_bytes_zeroed`` (all ranks), ``read_blocks_exempted`` (MoRIIO READ
@@ -60,9 +70,18 @@ class KVTailStats(KVConnectorStats):
     Gauge ``held_requests``: requests the wrapper holds state for (the largest
     number over the scheduler side and each worker); present in a snapshot
     only when that part's level is non-zero or has just changed.
+
+    Attributes:
+        inner_connector: class path of the wrapped connector; :meth:`take`
+            files the inner stats under it.
+        inner_stats: inner stats by connector class path. One entry per
+            wrapper; several where an outer MultiConnector aggregates
+            wrappers around different backends (vLLM merges its children's
+            stats by class name, and every wrapper is a KVTailConnector).
     """
 
-    inner_stats: KVConnectorStats | None = None
+    inner_connector: str | None = None
+    inner_stats: dict[str, KVConnectorStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in COUNTERS:
@@ -82,9 +101,16 @@ class KVTailStats(KVConnectorStats):
         return int(self.data[counter])
 
     def take(self, inner: KVConnectorStats | None) -> KVTailStats:
-        """A snapshot carrying ``inner``; this object's counters restart at 0."""
-        snap = KVTailStats(data={name: int(self.data[name]) for name in COUNTERS})
-        snap.inner_stats = inner
+        """A snapshot carrying ``inner`` (the inner connector's stats, filed
+        under :attr:`inner_connector`); this object's counters restart at 0."""
+        snap = KVTailStats(
+            data={name: int(self.data[name]) for name in COUNTERS},
+            inner_connector=self.inner_connector,
+        )
+        if inner is not None:
+            if self.inner_connector is None:
+                raise ValueError("KVTailStats(inner_connector=...) is needed to carry inner stats")
+            snap.inner_stats[self.inner_connector] = inner
         for name in GAUGES:
             if name in self.data:
                 snap.data[name] = int(self.data.pop(name))
@@ -97,9 +123,8 @@ class KVTailStats(KVConnectorStats):
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: int(self.data[name]) for name in COUNTERS}
         out.update({name: int(self.data[name]) for name in GAUGES if name in self.data})
-        if self.inner_stats is not None:
-            out[INNER] = self.inner_stats.to_dict()
-            out[INNER_CLASS] = self.data.get(INNER_CLASS) or _class_path(type(self.inner_stats))
+        if self.inner_stats:
+            out[INNER] = {path: stats.to_dict() for path, stats in self.inner_stats.items()}
         return out
 
     def reset(self) -> None:
@@ -108,8 +133,8 @@ class KVTailStats(KVConnectorStats):
         for name in GAUGES:
             self.data.pop(name, None)
         self._touched = False
-        if self.inner_stats is not None:
-            self.inner_stats.reset()
+        for stats in self.inner_stats.values():
+            stats.reset()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         assert isinstance(other, KVTailStats), "workers and scheduler run the same wrapper"
@@ -119,39 +144,48 @@ class KVTailStats(KVConnectorStats):
             if name in other.data:
                 self.data[name] = max(int(other.data[name]), int(self.data.get(name, 0)))
         self._touched = self._touched or other._touched
-        if other.inner_stats is not None:
-            self.inner_stats = (
-                other.inner_stats
-                if self.inner_stats is None
-                else self.inner_stats.aggregate(other.inner_stats)
-            )
+        for path, stats in other.inner_stats.items():
+            mine = self.inner_stats.get(path)
+            self.inner_stats[path] = stats if mine is None else mine.aggregate(stats)
         return self
 
-    def reduce(self) -> dict[str, int | float]:
+    def reduce(self) -> dict[str, Any]:
         # Only what happened: an idle wrapper adds nothing to vLLM's log line.
-        out: dict[str, int | float] = {
+        out: dict[str, Any] = {
             f"kvtail_{name}": int(self.data[name]) for name in COUNTERS if int(self.data[name])
         }
-        if self.inner_stats is not None and not self.inner_stats.is_empty():
-            out.update(self.inner_stats.reduce())
+        live = {path: s for path, s in self.inner_stats.items() if not s.is_empty()}
+        if len(live) == 1:
+            out.update(next(iter(live.values())).reduce())
+        else:  # several backends: one entry each, as MultiConnector logs its children
+            for path, stats in live.items():
+                out[path.rpartition(":")[2]] = stats.reduce()
         return out
 
     def is_empty(self) -> bool:
-        return not self._touched and (self.inner_stats is None or self.inner_stats.is_empty())
+        return not self._touched and all(s.is_empty() for s in self.inner_stats.values())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVTailStats:
-        """Rebuild from a payload (``to_dict`` output, after any process hop)."""
+        """Rebuild from a payload (``to_dict`` output, after any process hop).
+
+        Inner payloads are rebuilt by their connector class's own
+        ``build_kv_connector_stats``; stats objects (no process hop) are kept.
+        """
         data = data or {}
         stats = cls(data={name: int(data.get(name, 0)) for name in COUNTERS})
         stats.data.update({name: int(data[name]) for name in GAUGES if name in data})
-        inner_data = data.get(INNER)
-        inner_cls = _load_class(data[INNER_CLASS]) if INNER_CLASS in data else None
-        if (
-            inner_data is not None
-            and inner_cls is not None
-            and issubclass(inner_cls, KVConnectorStats)
-        ):
-            stats.inner_stats = inner_cls(data=inner_data)
-            stats.data[INNER_CLASS] = data[INNER_CLASS]
+        for path, payload in (data.get(INNER) or {}).items():
+            if isinstance(payload, KVConnectorStats):
+                stats.inner_stats[path] = payload
+                continue
+            connector = _load_connector(path)
+            if connector is None:
+                logger.warning_once(
+                    "kvtail: cannot load connector %s here; its stats are not reported", path
+                )
+                continue
+            rebuilt = connector.build_kv_connector_stats(data=payload)
+            if rebuilt is not None:
+                stats.inner_stats[path] = rebuilt
         return stats

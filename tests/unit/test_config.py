@@ -60,7 +60,10 @@ def test_frozen_and_user_dict_untouched():
             ["kv_connector_extra_config.probe_stale_tails: got 1"],
         ),
         ({"backend": 3}, ["kv_connector_extra_config.backend: got 3; expected the connector"]),
-        ({"backend": "NixlConnector", "backend_module_path": " "}, ["backend_module_path", "blank"]),
+        (
+            {"backend": "NixlConnector", "backend_module_path": " "},
+            ["backend_module_path", "blank"],
+        ),
         (
             {"backend": "NixlConnector", "backend_extra_config": [1]},
             ["kv_connector_extra_config.backend_extra_config", "JSON object"],

@@ -18,7 +18,7 @@ from kvtail_connector.connector import KVTailConnector  # noqa: E402
 from kvtail_connector.kvgroups import group_infos  # noqa: E402
 from kvtail_connector.log import PARENT  # noqa: E402
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.stats import COUNTERS, KVTailStats  # noqa: E402
+from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
 from tests.helpers.worker_caches import ErrorSource, allocate  # noqa: E402
@@ -172,11 +172,13 @@ def _logged_lines(payloads: list[dict]) -> list[str]:
 
 
 def test_an_idle_wrapper_adds_nothing_to_vllms_log_line():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
     inner = NixlKVConnectorStats()
     inner.record_failed_transfer()
-    (line,) = _logged_lines([KVTailStats().take(inner).to_dict()])
+    wrapper_stats = KVTailStats(inner_connector=connector_path(NixlConnector))
+    (line,) = _logged_lines([wrapper_stats.take(inner).to_dict()])
     assert "Num failed transfers=1" in line and "kvtail" not in line
     ours = KVTailStats()
     ours.add("tails_zeroed", 2)

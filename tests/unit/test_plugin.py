@@ -118,7 +118,9 @@ def test_the_connector_refuses_an_unsupported_vllm_with_one_message(monkeypatch)
     expected = r"supports vLLM 0\.32\.x and 0\.33\.x; the installed vLLM is 0\.34\.0"
     with pytest.raises(_compat.UnsupportedVLLMError, match=expected):
         KVTailConnector(
-            vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(block_size=16, num_blocks=8)
+            vllm_config,
+            KVConnectorRole.SCHEDULER,
+            make_kv_cache_config(block_size=16, num_blocks=8),
         )
     # The classmethods vLLM asks before it builds the connector refuse the same way.
     for ask in (

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 
 from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
+from kvtail_connector.stats import KVTailStats, connector_path  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
@@ -61,11 +61,12 @@ def test_backend_builds_behind_the_wrapper(backend, role, inner_name, layout):
 
 
 def test_nixl_stats_survive_the_process_hop_inside_ours():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
     inner = NixlKVConnectorStats()
     inner.record_failed_transfer()
-    ours = KVTailStats()
+    ours = KVTailStats(inner_connector=connector_path(NixlConnector))
     ours.add("tails_zeroed", 3)
     ours.add("tail_bytes_zeroed", 4096)
     snapshot = ours.take(inner)
@@ -75,8 +76,11 @@ def test_nixl_stats_survive_the_process_hop_inside_ours():
     rebuilt = KVTailConnector.build_kv_connector_stats(wire)
     assert isinstance(rebuilt, KVTailStats)
     assert rebuilt["tails_zeroed"] == 3 and rebuilt["tail_bytes_zeroed"] == 4096
-    assert isinstance(rebuilt.inner_stats, NixlKVConnectorStats)
-    assert rebuilt.inner_stats.data["num_failed_transfers"] == [1]
+    # Rebuilt by NixlConnector.build_kv_connector_stats, filed under that class.
+    (rebuilt_inner,) = rebuilt.inner_stats.values()
+    assert list(rebuilt.inner_stats) == [connector_path(NixlConnector)]
+    assert isinstance(rebuilt_inner, NixlKVConnectorStats)
+    assert rebuilt_inner.data["num_failed_transfers"] == [1]
 
     # Two workers' snapshots aggregate, ours and the inner's.
     other = KVTailStats.from_dict(wire)
