@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return value
+from kvtail_connector.ops.integers import as_int
 
 
 def dcp_local_valid_slots(
@@ -23,16 +17,19 @@ def dcp_local_valid_slots(
     ``num_tokens`` tokens fills. Replicated (not DCP-sharded) caches use
     ``dcp_world_size=1``.
 
+    Every argument is an integral scalar (int, numpy integer, 0-d integer
+    tensor); anything else raises ValueError naming it.
+
     Args:
         num_tokens: valid tokens of the virtual block, ``>= 0``.
         dcp_rank: this rank, ``0 <= dcp_rank < dcp_world_size``.
         dcp_world_size: DCP ranks sharing the block.
         interleave: ``cp_kv_cache_interleave_size``, tokens dealt per turn.
     """
-    n = _check_int("num_tokens", num_tokens, 0)
-    w = _check_int("dcp_world_size", dcp_world_size, 1)
-    r = _check_int("dcp_rank", dcp_rank, 0)
-    i = _check_int("interleave", interleave, 1)
+    n = as_int("num_tokens", num_tokens, minimum=0)
+    w = as_int("dcp_world_size", dcp_world_size, minimum=1)
+    r = as_int("dcp_rank", dcp_rank, minimum=0)
+    i = as_int("interleave", interleave, minimum=1)
     if r >= w:
         raise ValueError(f"dcp_rank: must be < dcp_world_size={w}, got {r}")
     turn = w * i

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtail_connector.ops.integers import as_int
+
 # Enumerating outer dims per layer must stay a table, not an explosion.
 _MAX_REGIONS_PER_CACHE = 4096
 
@@ -103,6 +105,8 @@ def indexer_cache(tensor: torch.Tensor, value_bytes: int, scale_bytes: int) -> R
         raise ValueError(
             f"tensor: expected a [B, N, C] or [B, 1, N, C] view, got {tuple(tensor.shape)}"
         )
+    value_bytes = as_int("value_bytes", value_bytes)
+    scale_bytes = as_int("scale_bytes", scale_bytes)
     n = int(tensor.shape[-2])
     c_bytes = int(tensor.shape[-1]) * tensor.element_size()
     if value_bytes <= 0 or scale_bytes <= 0 or value_bytes + scale_bytes != c_bytes:
@@ -247,6 +251,12 @@ def _regions_of_view(t: torch.Tensor) -> tuple[PageRegion, ...]:
     )
 
 
+def _dense(t: torch.Tensor, name: str) -> None:
+    # Sparse (and other non-strided) tensors have no strides to derive slots from.
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense tensor, got layout {t.layout}")
+
+
 def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeometry:
     """Validate one cache argument and derive its geometry.
 
@@ -259,7 +269,12 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
         t = cache.tensor
         if not isinstance(t, torch.Tensor) or t.dim() < 2:
             raise ValueError(f"{name}: RegionCache.tensor must be a tensor of rank >= 2")
-        n = int(cache.slots_per_page)
+        _dense(t, f"{name}.tensor")
+        n = as_int(f"{name}.slots_per_page", cache.slots_per_page)
+        for k, r in enumerate(cache.regions):
+            for attr in ("offset", "slot_bytes", "slot_stride"):
+                if attr != "slot_stride" or r.slot_stride is not None:
+                    as_int(f"{name}.regions[{k}].{attr}", getattr(r, attr))
         if n <= 0 or not cache.regions:
             raise ValueError(f"{name}: a RegionCache needs slots_per_page > 0 and regions")
         el = t.element_size()
@@ -289,6 +304,7 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
         )
     if not isinstance(cache, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor or RegionCache, got {type(cache)}")
+    _dense(cache, name)
     if cache.dim() != 4:
         raise ValueError(
             f"{name}: expected a 4-D [B, H, N, C] view, got rank {cache.dim()} "
@@ -308,10 +324,7 @@ def describe_caches(
     caches: Sequence[torch.Tensor | RegionCache], pages_per_block: int
 ) -> list[CacheGeometry]:
     """Validate a group of caches sharing one manager-block geometry."""
-    if isinstance(pages_per_block, bool) or not isinstance(pages_per_block, int):
-        raise ValueError(f"pages_per_block: expected an int, got {pages_per_block!r}")
-    if pages_per_block < 1:
-        raise ValueError(f"pages_per_block: must be >= 1, got {pages_per_block}")
+    pages_per_block = as_int("pages_per_block", pages_per_block, minimum=1)
     if isinstance(caches, (torch.Tensor, RegionCache)):
         raise ValueError("caches: expected a sequence of caches, got a single cache")
     geoms = [describe_cache(c, i) for i, c in enumerate(caches)]

@@ -23,6 +23,7 @@ from kvtail_connector.ops.geometry import (
     describe_caches,
     whole_block_rows,
 )
+from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.work import (
     Encoded,
     Line,
@@ -103,6 +104,11 @@ class KVZeroer:
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA, torch otherwise.
         use_graphs: on CUDA, replay small launches from CUDA graphs.
+        hold_caches: keep references to the caches (the default). ``False``
+            (Triton backend only) keeps nothing but their addresses and
+            layout, so the zeroer does not keep freed caches alive; the
+            caller then guarantees that the caches it was built from are
+            alive, unmoved, whenever it zeroes.
 
     Raises:
         ValueError: for invalid caches, naming the argument.
@@ -114,6 +120,7 @@ class KVZeroer:
         *,
         backend: Backend = "auto",
         use_graphs: bool = True,
+        hold_caches: bool = True,
     ) -> None:
         self._geoms: list[list[CacheGeometry]] = []
         self._pages: list[int] = []
@@ -123,14 +130,18 @@ class KVZeroer:
         slot_rows: list[list[Row]] = []
         block_rows: list[list[Row]] = []
         devices: set[torch.device] = set()
-        for caches, pages_per_block in groups:
+        for caches, pages in groups:
+            pages_per_block = as_int("pages_per_block", pages, minimum=1)
             geoms = describe_caches(caches, pages_per_block)
             devices.update(g.tensor.device for g in geoms)
             self._geoms.append(geoms)
             self._pages.append(pages_per_block)
             self._num_blocks.append(min((g.num_pages // pages_per_block for g in geoms), default=0))
-            slot_rows.append(list(dict.fromkeys(r for g in geoms for r in g.rows(pages_per_block))))
-            block_rows.append(whole_block_rows(geoms, pages_per_block))
+            # An empty view (a zero-sized H, N or C) has no byte to zero, and its
+            # data_ptr may be 0: it gets no rows, so nothing is ever launched for it.
+            live = [g for g in geoms if g.tensor.numel()]
+            slot_rows.append(list(dict.fromkeys(r for g in live for r in g.rows(pages_per_block))))
+            block_rows.append(whole_block_rows(live, pages_per_block))
         if len(devices) > 1:
             raise ValueError(
                 f"caches: all caches must be on one device, got {sorted(map(str, devices))}"
@@ -153,6 +164,8 @@ class KVZeroer:
                 "backend: 'triton' needs CUDA caches, or TRITON_INTERPRET=1 for CPU caches"
             )
         self.backend: Backend = backend
+        if not hold_caches and backend != "triton":
+            raise ValueError("hold_caches: False needs the 'triton' backend (torch zeroes tensors)")
 
         # Row ranges: index g for group g's slot rows, n_groups + g for its block rows.
         all_lists = slot_rows + block_rows
@@ -185,6 +198,10 @@ class KVZeroer:
             self._launcher = L.KernelLauncher(
                 self.device, table.to(self.device), use_graphs=use_graphs
             )
+        if not hold_caches:
+            # The row table holds every address the kernel needs; the torch
+            # path, the only reader of the tensors, is never taken.
+            self._geoms = [[] for _ in self._geoms]
 
     @property
     def num_groups(self) -> int:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
 
+from kvtail_connector import zero_kv_blocks
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks, warmup
 from kvtail_connector.ops import launcher as L
 from tests.helpers.layouts import make_backing, rebase, to_device
@@ -127,3 +130,36 @@ def test_last_launch_done_is_recorded_behind_the_launch(use_graphs):
     assert event is not None
     event.synchronize()  # no device-wide sync: the event alone orders the bytes
     assert torch.equal(dev.raw.cpu(), expected)
+
+
+@pytest.mark.gpu
+def test_zero_kv_blocks_releases_a_freed_cuda_cache():
+    # Its cached plan keeps addresses, not tensors.
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    caches = [torch.ones(256, 8, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    zero_kv_blocks(caches, [1], [(2, 3)])
+    zero_kv_blocks(caches, [2], [(3, 1)])  # the cached plan
+    assert not caches[3][2].any() and not caches[0][3, :, 1:].any() and caches[0][3, :, 0].all()
+    torch.cuda.synchronize()
+    del caches
+    gc.collect()
+    # 32 MiB of caches gone; what stays is the plan's row table (a few KiB).
+    assert torch.cuda.memory_allocated() - before < 1 << 20
+
+
+@pytest.mark.gpu
+def test_empty_cuda_views_launch_nothing():
+    backing = to_device(
+        make_backing(
+            "LBHNC", num_layers=1, num_pages=4, heads=2, slots=4, content=8, dtype=torch.float16
+        ),
+        "cuda",
+    )
+    before = backing.raw.clone()
+    view = backing.views[0]
+    for empty in (torch.zeros(4, 0, 4, 8, device="cuda"), view[:, :0], view[:, :, :, :0]):
+        zero_kv_blocks([empty], [1], [(2, 3)])
+    torch.cuda.synchronize()  # an illegal address would surface here
+    assert torch.equal(backing.raw, before)
