@@ -8,7 +8,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvtail_connector.log import get_logger
 from kvtail_connector.stats import COUNTERS, GAUGES, INNER
+
+logger = get_logger(__name__)
 
 # Metric name suffix and help text per counter (names: vllm:kvtail_<suffix>).
 METRICS = {
@@ -82,5 +85,13 @@ class KVTailPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].set(int(transfer_stats_data[name]))  # type: ignore[union-attr]
         for path, payload in (transfer_stats_data.get(INNER) or {}).items():
             metrics = self._inner.get(path)
-            if metrics is not None:
+            if metrics is None:
+                continue
+            try:
                 metrics.observe(payload, engine_idx)
+            except Exception as e:  # noqa: BLE001 - this runs in vLLM's output handler
+                # An exception there fails every request (vLLM 0.32's
+                # MultiConnector metrics assert on a child without metrics).
+                logger.warning_once(
+                    "kvtail: %s could not record its metrics (%s: %s)", path, type(e).__name__, e
+                )

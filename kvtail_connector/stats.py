@@ -185,7 +185,20 @@ class KVTailStats(KVConnectorStats):
                     "kvtail: cannot load connector %s here; its stats are not reported", path
                 )
                 continue
-            rebuilt = connector.build_kv_connector_stats(data=payload)
+            try:
+                rebuilt = connector.build_kv_connector_stats(data=payload)
+            except Exception as e:  # noqa: BLE001 - this runs in vLLM's output handler
+                # There an exception fails every request; the inner
+                # connector's stats are not worth that (vLLM's own
+                # MultiConnector, say, cannot rebuild a child it does not
+                # know by name).
+                logger.warning_once(
+                    "kvtail: %s could not rebuild its stats (%s: %s); they are not reported",
+                    path,
+                    type(e).__name__,
+                    e,
+                )
+                continue
             if rebuilt is not None:
                 stats.inner_stats[path] = rebuilt
         return stats

@@ -45,6 +45,7 @@ from kvtail_connector.connector import KVTailConnector  # noqa: E402
 from kvtail_connector.connectors import BackendAdapter  # noqa: E402
 from kvtail_connector.connectors.moriio import MoRIIOAdapter  # noqa: E402
 from kvtail_connector.connectors.nixl import NixlAdapter  # noqa: E402
+from kvtail_connector.stats import KVTailStats, connector_path  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
 from tests.unit.test_observability import registry_metric_types  # noqa: E402
 
@@ -295,3 +296,46 @@ def test_two_wrapped_children_keep_their_inner_stats_apart():
     assert "'kvtail_tails_zeroed': 10" in line
     assert "'NixlPullConnector': {" in line and "'Num failed transfers': 4" in line
     assert "'MooncakeStoreConnector': {" in line and "'load_get_count': 6" in line
+
+
+# ------------------- inner stats vLLM itself cannot handle stay out of the way
+
+
+def test_inner_stats_vllm_cannot_rebuild_do_not_fail_the_front_end():
+    # vLLM's MultiConnector rebuilds children by registered name only: a child
+    # loaded from a module path raises ValueError there, inside the front end's
+    # output handler. The wrapper drops those inner stats and keeps its own.
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorStats,
+    )
+
+    ours = KVTailStats(inner_connector=connector_path(MultiConnector))
+    ours.add("tails_zeroed", 2)
+    inner = MultiKVConnectorStats(data={"OutOfTreeConnector": nixl_stats(failed=1)})
+    payload = to_front_end([ours.take(inner)])
+    logging = KVConnectorLogging(multi_backend([NIXL]).kv_transfer_config)
+    logging.observe(payload)
+    (line,) = logged(logging)
+    assert line == "KV Transfer metrics: kvtail_tails_zeroed=2"
+
+
+def test_inner_metrics_that_fail_do_not_fail_the_front_end():
+    # vLLM 0.32's MultiConnector metrics assert on a child without metrics of
+    # its own (ExampleConnector); 0.33 skips it. Either way ours are recorded.
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    vllm_config = multi_backend([NIXL, example], disable_hybrid_kv_cache_manager=True)
+    registry = CollectorRegistry()
+    prom = KVTailConnector.build_prom_metrics(
+        vllm_config, registry_metric_types(registry), ["engine"], {0: ["0"]}
+    )
+    payload = {
+        "tails_zeroed": 1,
+        "inner": {
+            connector_path(MultiConnector): {
+                "ExampleConnector": {},
+                "NixlPullConnector": nixl_stats(failed=1).to_dict(),
+            }
+        },
+    }
+    prom.observe(payload, engine_idx=0)
+    assert registry.get_sample_value("vllm:kvtail_tails_zeroed_total", {"engine": "0"}) == 1
