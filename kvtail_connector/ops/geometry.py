@@ -272,9 +272,9 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
         _dense(t, f"{name}.tensor")
         n = as_int(f"{name}.slots_per_page", cache.slots_per_page)
         for k, r in enumerate(cache.regions):
-            for attr in ("offset", "slot_bytes", "slot_stride"):
-                if attr != "slot_stride" or r.slot_stride is not None:
-                    as_int(f"{name}.regions[{k}].{attr}", getattr(r, attr))
+            for attr, value in vars(r).items():
+                if value is not None:  # the optional sizes default to None
+                    as_int(f"{name}.regions[{k}].{attr}", value)
         if n <= 0 or not cache.regions:
             raise ValueError(f"{name}: a RegionCache needs slots_per_page > 0 and regions")
         el = t.element_size()
