@@ -15,4 +15,15 @@ Modules, one concept each:
 * ``mooncake``: a local ``mooncake_master``.
 * ``pd``: a prefill/decode pair, connector configs (plain and wrapped), one P/D request.
 * ``scenarios`` and ``report``: the demo's runs and its table; ``__main__``: the CLI.
+* ``nixl_progress`` (and ``site/sitecustomize.py``): the pause in NIXL's busy progress thread.
+
+The serving harness (``tests/serve``, ``benchmarks/bench_serve.py``), real API servers:
+
+* ``api_server``: one ``vllm.entrypoints.openai.api_server`` process (start, kill,
+  freeze, stop; ``/metrics``, ``/collective_rpc``); ``slot_rpc``: the ``slots``
+  functions as a worker extension, reached over ``/collective_rpc``.
+* ``serving``: prefill/decode pairs of servers (NIXL, MooncakeStore), plain or wrapped.
+* ``proxy_runner``: ``examples/proxy.py`` in a thread; ``workload``: OpenAI clients and
+  prompts of chosen lengths; ``faults``: hooks between the legs, fake prefill sides;
+  ``prom_text``: ``/metrics`` parsed.
 """

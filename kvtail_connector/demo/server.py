@@ -25,6 +25,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvtail_connector.demo.nixl_progress import slow_nixl_progress_thread
 from kvtail_connector.demo.procs import die_with_parent
 from kvtail_connector.demo.records import BASE_ENV, EngineConfig, GenResult, KVInfo
 from kvtail_connector.demo.slots import RPCS, NoSlotMapError
@@ -196,39 +197,6 @@ class EngineServer:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def _slow_nixl_progress_thread(delay_us: int) -> None:
-    """Make every NIXL agent this process creates pause ``delay_us`` between progress polls.
-
-    nixl_agent.__init__ builds a ``nixlAgentConfig`` and sets ``pthrDelay = 0``; a
-    subclass whose setter keeps at least ``delay_us`` changes only that number.
-    """
-    # vLLM sets this before it imports NIXL (distributed/nixl_utils.py); importing
-    # NIXL here first would stop it, so do the same.
-    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-    try:
-        from nixl._api import nixl_agent
-    except Exception:  # nixl not installed: nothing to slow down
-        return
-    bind = sys.modules[nixl_agent.__module__].nixlBind
-    base = bind.nixlAgentConfig
-    if getattr(base, "_kvtail_patched", False):
-        return
-    prop = base.pthrDelay
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        _kvtail_patched = True
-
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 - NIXL's name
-            return prop.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, value: int) -> None:  # noqa: N802
-            prop.__set__(self, max(int(value), delay_us))
-
-    bind.nixlAgentConfig = _Config
-
-
 def _own_resource_tracker() -> None:
     """Give this process a resource tracker of its own (spawned children share the
     parent's): the semaphores vLLM leaves behind at ``os._exit`` are then reported
@@ -250,7 +218,7 @@ def engine_main(conn: Connection, cfg: EngineConfig, log_path: str) -> None:
     os.environ.update(BASE_ENV)
     os.environ.update(cfg.env)
     if cfg.nixl_progress_delay_us:  # whatever the connector is called, it may wrap NIXL
-        _slow_nixl_progress_thread(cfg.nixl_progress_delay_us)
+        slow_nixl_progress_thread(cfg.nixl_progress_delay_us)
     server: EngineServer | None = None
     code = 0
     try:

@@ -13,7 +13,10 @@ import pytest
 from kvtail_connector.config import KVTailConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-CONFIGS = sorted(p for p in EXAMPLES.rglob("*.json") if p.name != "mooncake.json")
+# kv_transfer_configs: every JSON file but Mooncake's own config and the Grafana dashboard
+CONFIGS = sorted(
+    p for p in EXAMPLES.rglob("*.json") if p.name != "mooncake.json" and p.parent.name != "grafana"
+)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -84,3 +87,113 @@ def test_proxy_does_prefill_then_decode():
     (second,) = decode_seen
     assert second["max_tokens"] == 9
     assert second["kv_transfer_params"] == {"remote_block_ids": [[3, 4]], "remote_engine_id": "p"}
+
+
+class _Decode(BaseHTTPRequestHandler):
+    """A fake pair in one server: answers the prefill leg, then the decode leg as
+    the class says (``mode``): a stream, an HTTP error, or no answer at all."""
+
+    mode = "stream"
+    holding = threading.Event()
+    hung_up = threading.Event()
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["kv_transfer_params"].get("do_remote_decode"):
+            self._send(200, {"kv_transfer_params": {"remote_block_ids": [[1]]}})
+        elif self.mode == "stream":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(3):
+                self.wfile.write(f"data: {json.dumps({'n': i})}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        elif self.mode == "error":
+            self._send(500, {"error": {"message": "KV load failed", "code": 500}})
+        else:  # "hold": wait until the proxy hangs up
+            self.holding.set()
+            self.connection.settimeout(30)
+            if self.connection.recv(1) == b"":
+                self.hung_up.set()
+
+    def _send(self, status, answer):
+        payload = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def _post_raw(url, body):
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+@pytest.mark.parametrize("mode", ["stream", "error", "hold"])
+def test_proxy_streams_relays_errors_and_aborts_on_hang_up(mode):
+    proxy = _load_proxy()
+    handler = type(
+        "D", (_Decode,), {"mode": mode, "holding": threading.Event(), "hung_up": threading.Event()}
+    )
+    server, url = _serve(handler)
+    x_server, x_url = _serve(proxy.make_handler(url, url))
+    try:
+        conn = _post_raw(x_url, {"prompt": [1, 2], "stream": mode != "error"})
+        if mode == "hold":
+            import socket
+
+            assert handler.holding.wait(10), "the decode leg never started"
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            assert handler.hung_up.wait(10), "the proxy kept the decode leg open"
+            return
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        server.shutdown()
+        x_server.shutdown()
+    if mode == "stream":
+        assert response.status == 200
+        assert response.getheader("Content-Type") == "text/event-stream"
+        events = [line for line in raw.decode().split("\n\n") if line]
+        assert events == [*(f'data: {{"n": {i}}}' for i in range(3)), "data: [DONE]"]
+    else:
+        assert response.status == 500
+        assert json.loads(raw) == {"error": {"message": "KV load failed", "code": 500}}
+
+
+def test_proxy_answers_502_when_a_server_is_down():
+    proxy = _load_proxy()
+    with socket_closed_port() as dead:
+        x_server, x_url = _serve(proxy.make_handler(dead, dead))
+        try:
+            response = _post_raw(x_url, {"prompt": [1]}).getresponse()
+            body = json.loads(response.read())
+        finally:
+            x_server.shutdown()
+    assert response.status == 502
+    assert body["error"]["code"] == 502 and "Connection" in body["error"]["message"]
+
+
+def socket_closed_port():
+    """A context manager giving the URL of a loopback port nobody listens on."""
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def closed():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+
+    return closed()

@@ -1,0 +1,159 @@
+"""Faults to inject between the two legs of a P/D request, and fake prefill sides.
+
+The ``after_prefill`` hooks run inside the example proxy between the prefill
+leg's answer and the decode leg (``proxy_runner.RunningProxy``):
+
+* :class:`PoisonTail` plants a value (NaN) in the producer's never-written tail
+  slots of the request's last block, as the in-process e2e tests do;
+* :class:`AfterPrefill` runs an action (kill or freeze the prefill server) once
+  ``parties`` requests have all finished their prefill leg, so several decode
+  servers can meet the same fault at once.
+
+:class:`BlackHole` is a prefill side that never answers the NIXL handshake, and
+:class:`FakePrefill` an HTTP prefill server whose answers send the decode
+server to it (or anywhere else).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvtail_connector.demo.api_server import APIServer
+
+
+def prompt_tokens(prefill_answer: dict[str, Any]) -> int:
+    return int(prefill_answer["usage"]["prompt_tokens"])
+
+
+class PoisonTail:
+    """Fill the producer's never-written tail slots of each request's last block
+    with ``value``, after its prefill and before the decode server pulls.
+
+    ``planted`` counts (layer, block, slot) triples per request, in order.
+    """
+
+    def __init__(self, prefill: APIServer, block_size: int, value: float = float("nan")) -> None:
+        self.prefill = prefill
+        self.block_size = block_size
+        self.value = value
+        self.planted: list[int] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        n = prompt_tokens(answer)
+        blocks = answer["kv_transfer_params"]["remote_block_ids"][0]  # the attention group
+        written = n % self.block_size
+        planted = 0
+        if written:
+            last = blocks[(n - 1) // self.block_size]
+            planted = self.prefill.fill_slots([last], written, None, self.value)
+        with self._lock:
+            self.planted.append(planted)
+
+
+class AfterPrefill:
+    """Run ``action`` once, when the first ``parties`` requests have all had their
+    prefill leg answered; each of them then goes on to its decode leg. Later
+    requests pass straight through."""
+
+    def __init__(self, action: Callable[[], None], parties: int = 1, timeout: float = 600.0):
+        self._barrier = threading.Barrier(parties, action=action, timeout=timeout)
+        self._parties = parties
+        self._arrived = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        with self._lock:
+            self._arrived += 1
+            mine = self._arrived <= self._parties
+        if mine:
+            self._barrier.wait()
+
+
+class BlackHole:
+    """A TCP listener that accepts connections and never says a word: a NIXL
+    side channel that never answers the handshake."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self._held: list[socket.socket] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._held.append(conn)  # kept open, never read from or written to
+
+    def close(self) -> None:
+        self._stop = True
+        for s in [self._sock, *self._held]:
+            s.close()
+
+
+class FakePrefill:
+    """An HTTP "prefill server" answering every prefill leg with ``params(body)`` as
+    its ``kv_transfer_params`` (and one token), without computing anything."""
+
+    def __init__(self, params: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        make = params
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                answer = {
+                    "id": "fake",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
+                    "kv_transfer_params": make(body),
+                }
+                payload = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def nixl_params_to(host: str, port: int, block_ids: list[int]) -> dict[str, Any]:
+    """``kv_transfer_params`` naming a NIXL producer at ``host:port`` that nobody
+    has seen before (a fresh engine id, so the decode server must handshake)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": f"fake-{uuid.uuid4()}",
+        "remote_request_id": f"fake-{uuid.uuid4()}",
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+    }

@@ -1,0 +1,43 @@
+"""The servers of the serving tests, started once per session.
+
+A single-engine reference server, a plain NIXL pair and a pair with
+``KVTailConnector`` around NIXL whose prefill server feeds two decode servers,
+one per ``kv_load_failure_policy`` (recompute, fail). All start at once (their
+imports overlap) and are stopped at the end of the session, or as soon as one
+fails to start; the plain pair is stopped once its tests are done.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvtail_connector.demo.api_server import APIServer
+from kvtail_connector.demo.serving import Fleet, ServePair
+from kvtail_connector.demo.tiny_model import ensure_tiny_llama
+from tests.e2e.support import require
+
+
+@dataclass
+class Servers:
+    fleet: Fleet
+    reference: APIServer
+    plain: ServePair
+    wrapped: ServePair
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    require("nixl._api")
+    model = str(ensure_tiny_llama())
+    fleet = Fleet(tmp_path_factory.mktemp("serve-logs"))
+    reference = fleet.add_reference(model)
+    plain = fleet.add_pair("plain", model, wrapped=False)
+    wrapped = fleet.add_pair("wrapped", model, wrapped=True, policies=("recompute", "fail"))
+    with fleet.start():
+        yield Servers(fleet, reference, plain, wrapped)
