@@ -33,6 +33,7 @@ from bench_zeroing import _noop, make_cache  # noqa: E402
 
 from kvtail_connector.kvgroups import GroupInfo  # noqa: E402
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 
@@ -69,11 +70,16 @@ def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = Fa
     worker = TailWorker(
         (GroupInfo(0, True, BLOCK_TOKENS, 1),),
         RankPlacement(),
-        zero_tails=True,
-        zero_failed_loads=False,
-        zero_read_tails=True,
-        probe=False,
-        read_tails_by_layer=read_tails_by_layer,
+        TailPolicy(
+            zero_tails=True,
+            zero_failed_loads=False,
+            record_every_load=False,
+            zero_read_tails=True,
+            exclude_reads=False,
+            read_tails_by_layer=read_tails_by_layer,
+            hold_completions=False,
+            probe=False,
+        ),
         stats=KVTailStats(),
     )
     worker.register_kv_caches(dict(zip(names, views, strict=True)), kv_cache_config)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtail_connector import _compat
+
 from .base import BackendAdapter
 
 
@@ -14,7 +16,7 @@ class NixlAdapter(BackendAdapter):
 
     def validate(self, vllm_config: Any, backend_name: str) -> None:
         parallel = vllm_config.parallel_config
-        dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+        dcp = _compat.dcp_world_size(parallel)
         if dcp <= 1:
             return
         # vLLM checks these only when kv_connector is literally NixlConnector.
@@ -34,7 +36,7 @@ class NixlAdapter(BackendAdapter):
                 "decode_context_parallel_size > 1 is only supported for MLA models."
             )
         block_size = int(vllm_config.cache_config.block_size)
-        interleave = int(parallel.cp_kv_cache_interleave_size)
+        interleave = _compat.dcp_interleave_size(parallel)
         if interleave != block_size:
             raise ValueError(
                 f"{backend_name} behind KVTailConnector with decode_context_parallel_size="

@@ -88,6 +88,44 @@ def replace_transfer_config(config: Any, **changes: Any) -> Any:
 NULL_BLOCK_ID = 0
 
 
+def dcp_world_size(parallel_config: Any) -> int:
+    """``decode_context_parallel_size`` (absent or 0 means 1; 0.32 and 0.33)."""
+    return int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def dcp_interleave_size(parallel_config: Any) -> int:
+    """``cp_kv_cache_interleave_size`` (absent means 1; 0.32 and 0.33)."""
+    return int(getattr(parallel_config, "cp_kv_cache_interleave_size", 1) or 1)
+
+
+def layer_objects(vllm_config: Any) -> dict[str, Any] | None:
+    """The attention layer objects by name (``static_forward_context``), or
+    None where the compilation config has none (test doubles)."""
+    return getattr(vllm_config.compilation_config, "static_forward_context", None)
+
+
+# Sleep-mode hooks arrived in 0.33 (KVConnectorBase_V1.supports_sleep_mode,
+# unregister_kv_caches, restore_kv_caches); a 0.32 inner connector has none.
+def unregister_inner_kv_caches(inner: Any) -> None:
+    """The inner connector's ``unregister_kv_caches`` where it has one (0.33)."""
+    hook = getattr(inner, "unregister_kv_caches", None)
+    if hook is not None:
+        hook()
+
+
+def restore_inner_kv_caches(inner: Any) -> None:
+    """The inner connector's ``restore_kv_caches`` where it has one (0.33)."""
+    hook = getattr(inner, "restore_kv_caches", None)
+    if hook is not None:
+        hook()
+
+
+def inner_supports_sleep_mode(inner_cls: type, kv_transfer_config: Any) -> bool:
+    """The inner connector class's sleep-mode answer; False on 0.32 (no hook)."""
+    check = getattr(inner_cls, "supports_sleep_mode", None)
+    return bool(check(kv_transfer_config)) if check is not None else False
+
+
 def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:
     """This process's (DCP rank, DCP world size).
 

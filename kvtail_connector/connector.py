@@ -28,6 +28,7 @@ from kvtail_connector.config import KVTailConfig
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.policy import resolve_policy
 from kvtail_connector.prom import KVTailPromMetrics
 from kvtail_connector.scheduler import TailScheduler
 from kvtail_connector.stats import KVTailStats, connector_path
@@ -93,22 +94,18 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
         needs_zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
-        zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
-        # A READ copies the producer's tail into blocks kept from vLLM's zeroing
-        # (by the wrapper, or by vLLM itself on Mamba hybrids): on a model vLLM
-        # zeroes, the wrapper zeroes those tails whatever zero_tails says, so
-        # no setting leaves less zeroed than vLLM would.
-        zero_reads = (
-            adapter.sync_read
-            and bool(vllm_config.kv_transfer_config.is_kv_consumer)
-            and (zero or needs_zeroing)
+        policy = resolve_policy(
+            cfg,
+            needs_zeroing=needs_zeroing,
+            has_mamba=bool(kv_cache_config.has_mamba_layers),
+            is_consumer=bool(vllm_config.kv_transfer_config.is_kv_consumer),
+            sync_read=adapter.sync_read,
+            writes_past_the_fence=adapter.writes_past_the_fence,
+            reads_may_land_per_layer=_compat.moriio_reads_may_land_per_layer(),
         )
         parallel = vllm_config.parallel_config
-        dcp_rank, dcp_world = _compat.dcp_rank_and_world(
-            int(getattr(parallel, "decode_context_parallel_size", 1) or 1), role
-        )
+        dcp_rank, dcp_world = _compat.dcp_rank_and_world(_compat.dcp_world_size(parallel), role)
         groups = group_infos(kv_cache_config, dcp_world)
-        has_mamba = bool(kv_cache_config.has_mamba_layers)
         self._stats = KVTailStats(inner_connector=connector_path(inner_cls))
         self._last_held = 0  # the held_requests level last reported
         # MoRIIO READ tails are zeroed once the READ has landed: after
@@ -118,37 +115,18 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: TailWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = TailScheduler(
-                self._inner,
-                groups,
-                track_tails=zero,
-                track_failures=zero and not needs_zeroing,
-                track_read_tails=zero_reads,
-                # vLLM filters Mamba hybrids itself (attention group only).
-                exclude_reads=adapter.sync_read and needs_zeroing and not has_mamba,
-                adapter=adapter,
-                stats=self._stats,
+                self._inner, groups, policy, adapter=adapter, stats=self._stats
             )
         else:
+            placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
             self._worker = TailWorker(
                 groups,
-                RankPlacement(
-                    dcp_rank, dcp_world, int(getattr(parallel, "cp_kv_cache_interleave_size", 1))
-                ),
-                zero_tails=zero,
-                zero_read_tails=zero_reads,
-                # vLLM re-zeroes a failed load's blocks itself when it zeroes at all
-                # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
-                zero_failed_loads=zero and not needs_zeroing,
-                probe=cfg.probe_stale_tails,
-                read_tails_by_layer=adapter.sync_read and _compat.moriio_reads_may_land_per_layer(),
-                # Only where a new owner's KV can arrive past the start_load_kv
-                # fence: neither runner orders every completion after the
-                # zeroing launched with it (V2's post_forward, V1's no-forward
-                # steps).
-                hold_completions=adapter.writes_past_the_fence,
+                placement,
+                policy,
                 counts_requests=_compat.counts_requests_on_this_rank(),
                 stats=self._stats,
             )
+        zero = policy.zero_tails
         logger.info(
             "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
             "probe_stale_tails=%s",
@@ -207,18 +185,17 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._inner.register_kv_caches(kv_caches)
         if self._worker is not None:
-            layer_objects = getattr(
-                self._vllm_config.compilation_config, "static_forward_context", None
+            self._worker.register_kv_caches(
+                kv_caches, self._kv_cache_config, _compat.layer_objects(self._vllm_config)
             )
-            self._worker.register_kv_caches(kv_caches, self._kv_cache_config, layer_objects)
 
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:
             self._worker.unregister_kv_caches()
-        getattr(self._inner, "unregister_kv_caches", lambda: None)()
+        _compat.unregister_inner_kv_caches(self._inner)
 
     def restore_kv_caches(self) -> None:
-        getattr(self._inner, "restore_kv_caches", lambda: None)()
+        _compat.restore_inner_kv_caches(self._inner)
         if self._worker is not None:
             self._worker.restore_kv_caches()
 
@@ -403,8 +380,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         _compat.check_vllm_version()  # asked while vLLM builds its config (0.33)
         inner_cls, inner_ktc, _ = _inner_class(kv_transfer_config)
-        check = getattr(inner_cls, "supports_sleep_mode", None)
-        return bool(check(inner_ktc)) if check is not None else False
+        return _compat.inner_supports_sleep_mode(inner_cls, inner_ktc)
 
     @classmethod
     def build_kv_connector_stats(

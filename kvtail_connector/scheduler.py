@@ -16,6 +16,7 @@ from kvtail_connector.connectors import BackendAdapter
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import tail_block
 
@@ -28,13 +29,8 @@ class TailScheduler:
     Args:
         inner: the wrapped connector (scheduler role).
         groups: tail facts per KV cache group.
-        track_tails: record loads for tail zeroing (``zero_tails`` resolved).
-        track_failures: workers zero failed loads' blocks, so every load is
-            recorded, block-aligned ones included.
-        track_read_tails: record synchronous READ loads, whose tails workers
-            zero once the READ has landed (MoRIIO READ).
-        exclude_reads: drop MoRIIO READ destinations from
-            ``new_block_ids_to_zero`` (READ mode, zeroing on, no Mamba).
+        policy: what to record (``zero_tails``, ``record_every_load``,
+            ``zero_read_tails``) and whether to exclude READ destinations.
         adapter: what differs for this inner connector.
     """
 
@@ -42,20 +38,14 @@ class TailScheduler:
         self,
         inner: Any,
         groups: tuple[GroupInfo, ...],
+        policy: TailPolicy,
         *,
-        track_tails: bool,
-        track_failures: bool,
-        track_read_tails: bool,
-        exclude_reads: bool,
         adapter: BackendAdapter,
         stats: KVTailStats,
     ) -> None:
         self._inner = inner
         self._groups = groups
-        self._track_tails = track_tails
-        self._track_failures = track_failures
-        self._track_read_tails = track_read_tails
-        self._exclude_reads = exclude_reads
+        self._policy = policy
         self._adapter = adapter
         self._stats = stats
         # req_id -> (local computed tokens, load is async) from the latest
@@ -93,10 +83,10 @@ class TailScheduler:
             self._in_flight[request.request_id] = frozenset(
                 self._written_blocks(request, blocks, local, local + num_external_tokens)
             )
-        if load_async and not self._track_tails:
+        if load_async and not self._policy.zero_tails:
             return
         if not load_async:
-            if self._track_read_tails:
+            if self._policy.zero_read_tails:
                 self._pending_reads.append((request, blocks, local, local + num_external_tokens))
             return  # other sync loads land in blocks vLLM zeroed first
         record = self._record(request, blocks, local, local + num_external_tokens)
@@ -105,7 +95,7 @@ class TailScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
         inner_meta = self._inner.build_connector_meta(scheduler_output)
-        exclude = self._exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
+        exclude = self._policy.exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
         read_loads: tuple[LoadRecord, ...] = ()
         if exclude or self._pending_reads:
             # request id -> every block its READ writes this step (all groups)
@@ -223,7 +213,7 @@ class TailScheduler:
             if _compat.NULL_BLOCK_ID in ids:  # sliding-window gaps: vLLM's null block
                 ids = tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
             entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
-        if not entries or not (any_tail or (self._track_failures and not tails_only)):
+        if not entries or not (any_tail or (self._policy.record_every_load and not tails_only)):
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))
 

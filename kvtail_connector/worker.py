@@ -39,6 +39,7 @@ from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.work import Line
+from kvtail_connector.policy import TailPolicy
 from kvtail_connector.probe import probe_items
 from kvtail_connector.read_tails import LayerWork, ReadTailsByLayer
 from kvtail_connector.stats import KVTailStats
@@ -85,16 +86,8 @@ class TailWorker:
     Args:
         groups: tail facts per KV cache group.
         placement: this rank's DCP placement.
-        zero_tails: zero tails of completed loads (``zero_tails`` resolved).
-        zero_read_tails: zero the tails MoRIIO READs copy from the producer.
-        zero_failed_loads: zero the destination blocks of failed loads from
-            the first invalid block on (when vLLM does not re-zero them).
-        probe: count stale bytes before zeroing (``probe_stale_tails``).
-        read_tails_by_layer: MoRIIO READ loads may land layer by layer (0.32):
-            be ready to zero their tails per layer.
-        hold_completions: keep a completion whose zeroing has not executed on
-            the device out of ``finished_recving`` until it has (see
-            :mod:`~kvtail_connector.completion_hold`).
+        policy: what this worker zeroes, probes and holds (see
+            :class:`~kvtail_connector.policy.TailPolicy`).
         counts_requests: this rank reports the per-request counters
             (``tails_zeroed``, ``probed_tails``): one rank per request, since
             vLLM sums every worker's stats. Byte counts come from every rank.
@@ -105,22 +98,14 @@ class TailWorker:
         self,
         groups: tuple[GroupInfo, ...],
         placement: RankPlacement,
+        policy: TailPolicy,
         *,
-        zero_tails: bool,
-        zero_failed_loads: bool,
-        zero_read_tails: bool = False,
-        probe: bool,
-        read_tails_by_layer: bool = False,
-        hold_completions: bool = False,
         counts_requests: bool = True,
         stats: KVTailStats,
     ) -> None:
         self._groups = groups
         self._placement = placement
-        self._zero_tails = zero_tails
-        self._zero_reads = zero_read_tails
-        self._zero_failed = zero_failed_loads
-        self._probe = probe
+        self._policy = policy
         self._stats = stats
         self._per_request = counts_requests
         self._zeroer: KVZeroer | None = None
@@ -131,13 +116,12 @@ class TailWorker:
         self._set_slot_bytes: list[int] = []
         self._set_slots: list[int] = []
         self._read_loads: list[LoadRecord] = []
-        self._read_tails_by_layer = read_tails_by_layer
         self._by_layer: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         self._errors = LoadErrorLedger()
         # Loads in flight whose request vLLM has already finished (aborted).
         self._abandoned: set[str] = set()
-        self._hold = CompletionHold() if hold_completions else None
+        self._hold = CompletionHold() if policy.hold_completions else None
         self._last_zeroing: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -148,7 +132,7 @@ class TailWorker:
         kv_cache_config: Any,
         layer_objects: Mapping[str, Any] | None = None,
     ) -> None:
-        if not (self._zero_tails or self._zero_failed or self._zero_reads):
+        if not self._policy.needs_caches:
             return
         self._sets = cache_sets(kv_caches, kv_cache_config, self._groups, layer_objects)
         if not self._sets:
@@ -162,7 +146,7 @@ class TailWorker:
         # A set is one group, page split and tokens_per_state: one slot count.
         self._set_slots = [s.pages_per_block * cache_slots(s.caches[0]) for s in self._sets]
         self._zeroer.warmup()
-        if self._read_tails_by_layer and self._zero_reads:
+        if self._policy.read_tails_by_layer:
             self._by_layer = ReadTailsByLayer(self._sets)
             self._by_layer.zeroer.warmup()
         logger.info(
@@ -306,10 +290,10 @@ class TailWorker:
                 continue
             # Failures are counted once per request by the scheduler side.
             if record.req_id in failed or invalid is not None:
-                if self._zero_failed:
+                if self._policy.zero_failed_loads:
                     items = self._failed_items(record, invalid)
                     batches.append(self._zeroing(record.req_id, items))
-            elif self._zero_tails:
+            elif self._policy.zero_tails:
                 batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
                 if batch.lines:
                     batches.append(batch)
@@ -385,7 +369,7 @@ class TailWorker:
         lines = [ln for b in batches for ln in b.lines]
         if not lines:
             return
-        if self._probe:
+        if self._policy.probe:
             self._report_probe(
                 self._sets,
                 [ln.item for b in batches for ln in b.lines],
@@ -438,7 +422,7 @@ class TailWorker:
         return items
 
     def _zero_layer_work(self, by_layer: ReadTailsByLayer, work: LayerWork) -> None:
-        if self._probe:
+        if self._policy.probe:
             found = probe_items(
                 by_layer.layer_sets,
                 np.array(work.items, dtype=np.int64),
@@ -478,7 +462,7 @@ class TailWorker:
         """Per-request counters, on the counting rank only."""
         if requests and self._per_request:
             self._stats.add("tails_zeroed", requests)
-            if self._probe:
+            if self._policy.probe:
                 self._stats.add("probed_tails", requests)
 
     def _report_found(self, found: dict[str, tuple[int, int]]) -> None:

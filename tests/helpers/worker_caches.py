@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.worker import RankPlacement, TailWorker
 
@@ -68,15 +69,21 @@ def allocate(
     return WorkerCaches(views, raws)
 
 
+def tail_policy(**duties: bool) -> TailPolicy:
+    """A worker's policy: tail and READ-tail zeroing on, everything else off,
+    unless ``duties`` (TailPolicy fields) say otherwise."""
+    fields = {name: False for name in TailPolicy.__dataclass_fields__}
+    fields.update(zero_tails=True, zero_read_tails=True)
+    fields.update(duties)
+    return TailPolicy(**fields)
+
+
 def make_tail_worker(kv_cache_config: KVCacheConfig, **kw: Any) -> TailWorker:
-    """A rank-0, no-DCP ``TailWorker`` zeroing tails (not failed loads, no probe)
-    unless ``kw`` says otherwise."""
-    kw.setdefault("zero_tails", True)
-    kw.setdefault("zero_failed_loads", False)
-    kw.setdefault("zero_read_tails", True)
-    kw.setdefault("probe", False)
+    """A rank-0, no-DCP ``TailWorker``: :func:`tail_policy` with the TailPolicy
+    fields in ``kw``; the other ``kw`` go to the worker."""
+    duties = {k: kw.pop(k) for k in list(kw) if k in TailPolicy.__dataclass_fields__}
     kw.setdefault("stats", KVTailStats())
-    return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), **kw)
+    return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), tail_policy(**duties), **kw)
 
 
 class ErrorSource:

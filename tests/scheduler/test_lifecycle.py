@@ -31,7 +31,7 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
 )
-from tests.helpers.worker_caches import ErrorSource, allocate  # noqa: E402
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -168,9 +168,7 @@ def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
         worker = TailWorker(
             groups,
             RankPlacement(rank, 8, 1),
-            zero_tails=True,
-            zero_failed_loads=False,
-            probe=False,
+            tail_policy(),
             stats=KVTailStats(),
         )
         worker.register_kv_caches(caches.views, scheduler.kv_cache_config)

@@ -43,12 +43,12 @@ class _Event:
         self.synchronized = self.done = True
 
 
-def _worker(monkeypatch, event: _Event, hold: bool):
+def _worker(monkeypatch, event: _Event, hold: bool, zero_failed: bool = False):
     # The CPU zeroer records no event; give it the one the test controls.
     monkeypatch.setattr(KVZeroer, "last_launch_done", property(lambda self: event))
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
-    worker = make_tail_worker(kv, hold_completions=hold)
+    worker = make_tail_worker(kv, hold_completions=hold, zero_failed_loads=zero_failed)
     worker.register_kv_caches(caches.views, kv)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # a tail: zeroed
@@ -79,8 +79,8 @@ def test_a_completion_waits_for_its_zeroing_and_others_pass_at_once(monkeypatch)
 
 def test_a_held_failure_stays_a_failure(monkeypatch):
     event = _Event()
-    worker = _worker(monkeypatch, event, hold=True)
-    worker._zero_failed = True  # "always" on a model vLLM does not zero
+    # "always" on a model vLLM does not zero: failed loads are zeroed too.
+    worker = _worker(monkeypatch, event, hold=True, zero_failed=True)
     out = _pass(worker, failed={"a"})
     assert out.finished_recving == set() and out.failed_recving == set()
     event.done = True

@@ -21,7 +21,7 @@ from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # n
 from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.helpers.worker_caches import ErrorSource, allocate  # noqa: E402
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -92,9 +92,7 @@ def _worker_with_poisoned_tail(probe: bool):
     caches = allocate(kv)
     groups = group_infos(kv, 1)
     stats = KVTailStats()
-    worker = TailWorker(
-        groups, RankPlacement(), zero_tails=True, zero_failed_loads=False, probe=probe, stats=stats
-    )
+    worker = TailWorker(groups, RankPlacement(), tail_policy(probe=probe), stats=stats)
     worker.register_kv_caches(caches.views, kv)
     for view in caches.views.values():
         view.zero_()

@@ -16,7 +16,12 @@ from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, Loa
 from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
 from tests.helpers.layouts import rebase  # noqa: E402
 from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker  # noqa: E402
+from tests.helpers.worker_caches import (  # noqa: E402
+    ErrorSource,
+    allocate,
+    make_tail_worker,
+    tail_policy,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
@@ -176,9 +181,7 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
         worker = TailWorker(
             groups,
             RankPlacement(rank, 2, 16),
-            zero_tails=True,
-            zero_failed_loads=False,
-            probe=True,
+            tail_policy(probe=True),
             counts_requests=rank == counting_rank,
             stats=stats,
         )

@@ -1,0 +1,98 @@
+"""What the wrapper does for one engine, resolved once from plain facts.
+
+:func:`resolve_policy` turns the user's :class:`~kvtail_connector.config.KVTailConfig`,
+two facts about the KV cache, the engine's role, what the inner connector's
+adapter says about its loads and the vLLM release into one frozen
+:class:`TailPolicy`. The scheduler and worker sides receive that object and
+never look at the config, vLLM's config or the adapter to decide again. The
+function is pure (no vLLM import), so every rule below is tested directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtail_connector.config import KVTailConfig
+
+
+@dataclass(frozen=True)
+class TailPolicy:
+    """The wrapper's duties on this engine.
+
+    Attributes:
+        zero_tails: zero the stale tail of every completed async load.
+        zero_failed_loads: zero a failed load's destination blocks from its
+            first invalid block on (only where vLLM does not re-zero them).
+        record_every_load: the scheduler ships every async load to the
+            workers, block-aligned ones too (needed by ``zero_failed_loads``).
+        zero_read_tails: zero the producer tail a MoRIIO READ copies in.
+        exclude_reads: drop MoRIIO READ destinations from vLLM's
+            ``new_block_ids_to_zero`` (the READ would race the zeroing).
+        read_tails_by_layer: READs may land layer by layer (vLLM 0.32, outside
+            FULL CUDA graphs): be ready to zero each layer's READ tail.
+        hold_completions: keep completions whose zeroing has not executed out
+            of ``finished_recving`` (transfers that bypass the worker's fence).
+        probe: count stale bytes before zeroing (``probe_stale_tails``).
+    """
+
+    zero_tails: bool
+    zero_failed_loads: bool
+    record_every_load: bool
+    zero_read_tails: bool
+    exclude_reads: bool
+    read_tails_by_layer: bool
+    hold_completions: bool
+    probe: bool
+
+    @property
+    def needs_caches(self) -> bool:
+        """Whether workers zero anything at all (and so map the KV caches)."""
+        return self.zero_tails or self.zero_failed_loads or self.zero_read_tails
+
+
+def resolve_policy(
+    cfg: KVTailConfig,
+    *,
+    needs_zeroing: bool,
+    has_mamba: bool,
+    is_consumer: bool,
+    sync_read: bool,
+    writes_past_the_fence: bool,
+    reads_may_land_per_layer: bool,
+) -> TailPolicy:
+    """The policy for one engine.
+
+    Args:
+        cfg: the user's settings.
+        needs_zeroing: ``kv_cache_config.needs_kv_cache_zeroing`` (Mamba layers
+            or mixed precision: vLLM zeroes new blocks, stale bytes can be NaN).
+        has_mamba: ``kv_cache_config.has_mamba_layers``.
+        is_consumer: the engine loads KV (``kv_role`` consumer or both).
+        sync_read: the inner connector loads by synchronous READ (MoRIIO READ).
+        writes_past_the_fence: the inner connector's transfers can start from
+            the scheduler side, bypassing ``start_load_kv`` (MoRIIO WRITE).
+        reads_may_land_per_layer: this vLLM waits for READs per layer (0.32).
+    """
+    zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
+    # vLLM re-zeroes a failed load's blocks itself whenever it zeroes at all
+    # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
+    zero_failed = zero and not needs_zeroing
+    # A READ copies the producer's tail into blocks kept from vLLM's zeroing (by
+    # the wrapper, or by vLLM itself on Mamba hybrids): on a model vLLM zeroes
+    # the wrapper zeroes those tails whatever zero_tails says, so no setting
+    # leaves less zeroed than vLLM would.
+    zero_reads = sync_read and is_consumer and (zero or needs_zeroing)
+    return TailPolicy(
+        zero_tails=zero,
+        zero_failed_loads=zero_failed,
+        record_every_load=zero_failed,
+        zero_read_tails=zero_reads,
+        # vLLM filters Mamba hybrids itself (their attention group only).
+        exclude_reads=sync_read and needs_zeroing and not has_mamba,
+        read_tails_by_layer=zero_reads and reads_may_land_per_layer,
+        # Neither runner orders every completion after the zeroing launched
+        # with it (V2's post_forward, V1's no-forward steps); only transfers
+        # started past the fence can overtake it.
+        hold_completions=writes_past_the_fence,
+        probe=cfg.probe_stale_tails,
+    )

@@ -1,0 +1,100 @@
+"""``resolve_policy``: every rule of what the wrapper does, without vLLM."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvtail_connector.config import KVTailConfig
+from kvtail_connector.policy import resolve_policy
+
+FACTS = (
+    "needs_zeroing",
+    "has_mamba",
+    "is_consumer",
+    "sync_read",
+    "writes_past_the_fence",
+    "reads_may_land_per_layer",
+)
+
+
+def _policy(zero_tails: str = "auto", probe: bool = False, **facts: bool):
+    cfg = KVTailConfig(backend="NixlConnector", zero_tails=zero_tails, probe_stale_tails=probe)
+    args = dict.fromkeys(FACTS, False)
+    args.update(facts)
+    return resolve_policy(cfg, **args)
+
+
+def _every_case():
+    for zero_tails in ("auto", "always", "off"):
+        for values in itertools.product((False, True), repeat=len(FACTS)):
+            yield zero_tails, dict(zip(FACTS, values, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("zero_tails", "needs_zeroing", "expected"),
+    [
+        ("auto", True, True),
+        ("auto", False, False),
+        ("always", False, True),
+        ("always", True, True),
+        ("off", True, False),
+        ("off", False, False),
+    ],
+)
+def test_async_load_tails_follow_zero_tails_and_vllms_own_gate(zero_tails, needs_zeroing, expected):
+    assert _policy(zero_tails, needs_zeroing=needs_zeroing).zero_tails is expected
+
+
+def test_failed_loads_are_zeroed_only_where_vllm_does_not_rezero_them():
+    assert _policy("always", needs_zeroing=False).zero_failed_loads
+    assert not _policy("always", needs_zeroing=True).zero_failed_loads  # vLLM re-zeroes
+    assert not _policy("auto", needs_zeroing=True).zero_failed_loads
+    for zero_tails, facts in _every_case():
+        p = _policy(zero_tails, **facts)
+        assert p.record_every_load == p.zero_failed_loads  # block-aligned loads too
+
+
+def test_no_setting_leaves_a_read_tail_neither_vllm_nor_the_wrapper_zeroes():
+    # A READ destination kept from vLLM's zeroing (by the wrapper's exclusion,
+    # or by vLLM's own filter on Mamba hybrids) must get its tail zeroed by the
+    # wrapper on a consumer, whatever zero_tails says.
+    for zero_tails, facts in _every_case():
+        p = _policy(zero_tails, **facts)
+        kept_from_vllm = facts["sync_read"] and facts["needs_zeroing"]
+        if kept_from_vllm and facts["is_consumer"]:
+            assert p.zero_read_tails, (zero_tails, facts)
+        if not (facts["sync_read"] and facts["is_consumer"]):
+            assert not p.zero_read_tails  # nothing is READ into this engine
+
+
+def test_read_exclusion_only_for_sync_reads_on_zeroing_models_vllm_does_not_filter():
+    assert _policy("off", sync_read=True, needs_zeroing=True).exclude_reads
+    assert not _policy(sync_read=True, needs_zeroing=True, has_mamba=True).exclude_reads
+    assert not _policy("always", sync_read=True, needs_zeroing=False).exclude_reads
+    assert not _policy(needs_zeroing=True).exclude_reads
+
+
+def test_a_producer_never_maps_caches_for_read_tails():
+    p = _policy("off", sync_read=True, needs_zeroing=True, is_consumer=False)
+    assert not p.zero_read_tails and not p.needs_caches
+
+
+def test_per_layer_read_tails_only_where_reads_are_zeroed_and_land_per_layer():
+    on = dict(sync_read=True, needs_zeroing=True, is_consumer=True)
+    assert _policy(**on, reads_may_land_per_layer=True).read_tails_by_layer
+    assert not _policy(**on, reads_may_land_per_layer=False).read_tails_by_layer
+    assert not _policy(sync_read=True, reads_may_land_per_layer=True).read_tails_by_layer
+
+
+def test_completions_are_held_only_for_transfers_that_bypass_the_fence():
+    for zero_tails, facts in _every_case():
+        assert _policy(zero_tails, **facts).hold_completions is facts["writes_past_the_fence"]
+
+
+def test_the_probe_is_the_users_setting_and_the_policy_is_frozen():
+    p = _policy(probe=True)
+    assert p.probe
+    with pytest.raises(AttributeError):
+        p.zero_tails = True  # type: ignore[misc]
