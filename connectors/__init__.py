@@ -22,6 +22,8 @@ _BY_CLASS_NAME: dict[str, type[BackendAdapter]] = {
     "MoRIIOConnector": MoRIIOAdapter,
 }
 
+_BUILT_IN = frozenset(_BY_CLASS_NAME)
+
 # pip extras by backend name prefix, for ImportErrors raised while loading one.
 EXTRAS = {"Nixl": "nixl", "Mooncake": "mooncake", "MoRIIO": "moriio"}
 
@@ -42,6 +44,19 @@ def adapter_for(
     return BackendAdapter(inner_extra_config)
 
 
+def register_adapter(class_name: str, adapter: type[BackendAdapter]) -> None:
+    """Use ``adapter`` for inner connectors with ``class_name`` in their
+    ancestry: how an out-of-tree connector tells the wrapper what its loads
+    and transfers do (e.g. ``carries_producer_tail``). Built-in names cannot
+    be replaced."""
+    if not (isinstance(adapter, type) and issubclass(adapter, BackendAdapter)):
+        raise TypeError(f"adapter for {class_name!r}: expected a BackendAdapter subclass")
+    known = _BY_CLASS_NAME.get(class_name)
+    if known is not None and known is not adapter and class_name in _BUILT_IN:
+        raise ValueError(f"{class_name} has a built-in adapter ({known.__name__})")
+    _BY_CLASS_NAME[class_name] = adapter
+
+
 def extra_for(backend_name: str) -> str | None:
     for prefix, extra in EXTRAS.items():
         if backend_name.startswith(prefix):
@@ -49,4 +64,10 @@ def extra_for(backend_name: str) -> str | None:
     return None
 
 
-__all__ = ["BackendAdapter", "MultiConnectorAdapter", "adapter_for", "extra_for"]
+__all__ = [
+    "BackendAdapter",
+    "MultiConnectorAdapter",
+    "adapter_for",
+    "extra_for",
+    "register_adapter",
+]

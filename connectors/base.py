@@ -29,6 +29,14 @@ class BackendAdapter:
         started from the scheduler side."""
         return False
 
+    @property
+    def carries_producer_tail(self) -> bool:
+        """The transfer copies the producer's whole blocks, and only after the
+        producer's step output has left (the consumer asks for them with the
+        request's ``kv_transfer_params``): a tail the producer zeroed in its
+        step arrives zeroed. Producers vouch, and consumers trust, only then."""
+        return False
+
     def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
         """``(request id, per-group local block ids)`` the READs of this step write."""
         return ()

@@ -24,6 +24,13 @@ class MoRIIOAdapter(BackendAdapter):
         # update_state_after_alloc, and the producer RDMA-writes at once.
         return not self.sync_read
 
+    @property
+    def carries_producer_tail(self) -> bool:
+        # READ: the consumer reads whole producer blocks after it has the
+        # params. WRITE: the producer writes each layer during its forward,
+        # before the wrapper's zeroing (and parallel WRITE never sends params).
+        return self.sync_read
+
     def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
         reqs = getattr(inner_metadata, "reqs_to_recv", None) or {}
         for req_id, meta in reqs.items():

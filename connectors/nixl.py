@@ -14,6 +14,14 @@ class NixlAdapter(BackendAdapter):
     post-processing zeroes only what a transfer clipped (heterogeneous block
     sizes), so the wrapper still zeroes from the loaded count on."""
 
+    @property
+    def carries_producer_tail(self) -> bool:
+        # Pull: the consumer reads after it has the params. Push: the writer
+        # thread starts from a later step's metadata. Host buffer: the D2H
+        # copy runs in wait_for_save, after the wrapper's zeroing. Unequal
+        # block sizes are caught by the entry's geometry.
+        return True
+
     def validate(self, vllm_config: Any, backend_name: str) -> None:
         parallel = vllm_config.parallel_config
         dcp = _compat.dcp_world_size(parallel)

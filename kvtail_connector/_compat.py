@@ -143,6 +143,36 @@ def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
+def producer_tail_hook(vllm_config: Any) -> str | None:
+    """The worker hook where a producer zeroes its prompt tails, or None.
+
+    It must run after the step's last KV write and before the step's output
+    (and so the request's ``kv_transfer_params``) can leave the worker, on the
+    stream the forward ran on (0.32 and 0.33):
+
+    - V2 model runner: ``finish_forward``, called right after the forward and
+      before sampling and the output copy (its ``wait_for_save`` runs in
+      ``post_forward``, after the output copy: too late).
+    - V1 model runner: ``wait_for_save``, called as the connector context
+      exits, right after the forward is enqueued and before sampling (V1 never
+      calls ``finish_forward``).
+    - A drafter (speculative decoding): None. EAGLE/MTP drafters write draft
+      KV past the prompt after the forward, and both runners then defer or
+      reorder ``wait_for_save``; the producer makes no claim.
+    """
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return None
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        return "finish_forward"
+    return "wait_for_save"
+
+
+def worker_count(parallel_config: Any) -> int:
+    """Workers whose outputs vLLM's ``KVOutputAggregator`` folds per step
+    (``ParallelConfig.world_size``: PP x TP x PCP, 0.32 and 0.33)."""
+    return int(getattr(parallel_config, "world_size", 1) or 1)
+
+
 def counts_requests_on_this_rank() -> bool:
     """Whether this worker reports per-request counters (0.32 and 0.33).
 

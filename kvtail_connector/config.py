@@ -29,6 +29,8 @@ _FIELD_HELP = {
     "backend_extra_config": "a JSON object passed to the backend as its kv_connector_extra_config",
     "zero_tails": 'one of "auto" (zero when vLLM zeroes new blocks), "always" or "off"',
     "probe_stale_tails": "true or false (a JSON boolean, not a string or a number)",
+    "vouch_tails": 'one of "auto" (producers zero and vouch for their prompt tails, consumers '
+    'trust a matching claim) or "off"',
 }
 
 
@@ -50,7 +52,16 @@ class KVTailConfig(BaseModel):
             into blocks kept from vLLM's zeroing are still zeroed, so no
             setting zeroes less than vLLM would).
         probe_stale_tails: before zeroing, count non-zero and non-finite tail
-            bytes, log a warning for non-finite ones, and count them.
+            bytes, log a warning for non-finite ones, and count them. On a
+            consumer it also checks the tails a producer vouched for (the
+            canary: non-zero bytes there are zeroed and counted as
+            ``false_vouches``).
+        vouch_tails: ``auto``: a producer whose transfer carries its whole
+            blocks (NIXL, MoRIIO READ) zeroes the slots past each remote-decode
+            prompt in its last block and adds a ``kvtail`` entry saying so to
+            the request's ``kv_transfer_params``; a consumer that gets a valid
+            entry with its own geometry skips that request's tail zeroing.
+            ``off``: neither (a consumer then zeroes as if no entry came).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,6 +72,7 @@ class KVTailConfig(BaseModel):
     zero_tails: Literal["auto", "always", "off"] = "auto"
     # Strict: "yes", "false" or 1 would otherwise parse as booleans.
     probe_stale_tails: StrictBool = False
+    vouch_tails: Literal["auto", "off"] = "auto"
 
     @field_validator("backend", "backend_module_path")
     @classmethod

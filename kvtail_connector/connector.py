@@ -23,11 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, backend
+from kvtail_connector import _compat, backend, entry
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
 from kvtail_connector.policy import resolve_policy
 from kvtail_connector.prom import KVTailPromMetrics
 from kvtail_connector.scheduler import TailScheduler
@@ -55,6 +55,15 @@ def _inner_class(kv_transfer_config: Any) -> tuple[type[KVConnectorBase_V1], Any
     cfg = _parse(kv_transfer_config)
     inner_ktc = backend.inner_transfer_config(kv_transfer_config, cfg)
     return backend.resolve_backend_class(cfg, inner_ktc), inner_ktc, cfg
+
+
+def _vouch_summary(policy: Any) -> str:
+    parts = []
+    if policy.vouch_tails:
+        parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
+    if policy.trust_vouched:
+        parts.append("trusting matching producer claims")
+    return ", ".join(parts) or "no claims made or trusted"
 
 
 class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
@@ -94,18 +103,29 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
         needs_zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
+        transfer = vllm_config.kv_transfer_config
         policy = resolve_policy(
             cfg,
             needs_zeroing=needs_zeroing,
             has_mamba=bool(kv_cache_config.has_mamba_layers),
-            is_consumer=bool(vllm_config.kv_transfer_config.is_kv_consumer),
+            is_consumer=bool(transfer.is_kv_consumer),
             sync_read=adapter.sync_read,
             writes_past_the_fence=adapter.writes_past_the_fence,
             reads_may_land_per_layer=_compat.moriio_reads_may_land_per_layer(),
+            is_producer=bool(transfer.is_kv_producer),
+            carries_producer_tail=adapter.carries_producer_tail,
+            producer_hook=_compat.producer_tail_hook(vllm_config),  # type: ignore[arg-type]
         )
+        self._policy = policy
         parallel = vllm_config.parallel_config
         dcp_rank, dcp_world = _compat.dcp_rank_and_world(_compat.dcp_world_size(parallel), role)
         groups = group_infos(kv_cache_config, dcp_world)
+        specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+        geometry = entry.geometry(
+            [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
+            dcp_world,
+            _compat.dcp_interleave_size(parallel),
+        )
         self._stats = KVTailStats(inner_connector=connector_path(inner_cls))
         self._last_held = 0  # the held_requests level last reported
         # MoRIIO READ tails are zeroed once the READ has landed: after
@@ -115,7 +135,13 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: TailWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = TailScheduler(
-                self._inner, groups, policy, adapter=adapter, stats=self._stats
+                self._inner,
+                groups,
+                policy,
+                adapter=adapter,
+                stats=self._stats,
+                geometry=geometry,
+                num_workers=_compat.worker_count(parallel),
             )
         else:
             placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
@@ -129,13 +155,15 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         zero = policy.zero_tails
         logger.info(
             "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
-            "probe_stale_tails=%s",
+            "probe_stale_tails=%s; vouch_tails=%s -> %s",
             role.name.lower(),
             cfg.backend,
             cfg.zero_tails,
             needs_zeroing,
             "zeroing tails" if zero else "not zeroing tails",
             cfg.probe_stale_tails,
+            cfg.vouch_tails,
+            _vouch_summary(policy),
         )
 
     @property
@@ -203,6 +231,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.set_host_xfer_buffer_ops(copy_operation)
 
     def finish_forward(self) -> None:
+        if self._worker is not None and self._policy.producer_hook == "finish_forward":
+            self._worker.zero_producer_tails()
         self._inner.finish_forward()
 
     def reset_capture_state(self) -> None:
@@ -230,6 +260,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
+        # Before delegating: ordered before MooncakeStore's event and NIXL's
+        # host-buffer copy, which wait_for_save starts.
+        if self._worker is not None and self._policy.producer_hook == "wait_for_save":
+            self._worker.zero_producer_tails()
         self._inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -268,7 +302,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.get_handshake_metadata()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._inner.build_connector_worker_meta()
+        inner = self._inner.build_connector_worker_meta()
+        return self._worker.worker_meta(inner) if self._worker is not None else inner
 
     def get_finished_count(self) -> int | None:
         return self._inner.get_finished_count()
@@ -278,6 +313,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         # Not super(): it would bind the block pool a second time via our hook.
         self._kv_cache_manager = kv_cache_manager
+        if self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         self._inner.bind_kv_cache_manager(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
@@ -304,29 +341,44 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
         self._inner.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._inner.update_connector_output(connector_output)
+        # The inner connector sees its own worker metadata, as if unwrapped.
+        ours = connector_output.kv_connector_worker_meta
+        if isinstance(ours, KVTailWorkerMeta):
+            connector_output.kv_connector_worker_meta = ours.inner
+            try:
+                self._inner.update_connector_output(connector_output)
+            finally:
+                connector_output.kv_connector_worker_meta = ours
+        else:
+            self._inner.update_connector_output(connector_output)
+            ours = None
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+            self._scheduler.update_connector_output(connector_output, ours)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        result = self._inner.request_finished(request, block_ids)
         if self._scheduler is not None:
-            self._scheduler.request_finished(request)
-        return self._inner.request_finished(request, block_ids)
+            self._scheduler.request_finished(request, result[1])
+        return result
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request)
         if self._inner_hma:
-            return self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
-        assert len(block_ids) == 1, "a non-HMA backend runs with one KV cache group"
-        return self._inner.request_finished(request, block_ids[0])
+            result = self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
+        else:
+            assert len(block_ids) == 1, "a non-HMA backend runs with one KV cache group"
+            result = self._inner.request_finished(request, block_ids[0])
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request, result[1])
+        return result
 
     def register_finished_partial_tail(
         self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any

@@ -71,7 +71,8 @@ def geometry(group_specs: Sequence[Any], dcp: int, interleave: int) -> Geometry:
         dcp, interleave: this engine's DCP size and interleave.
     """
     parts = [
-        f"{type(s).__name__}:{int(s.block_size)}:{s.dtype}:{getattr(s, 'head_size', '')}"
+        f"{type(s).__name__}:{int(s.block_size)}:{getattr(s, 'dtype', '')}:"
+        f"{getattr(s, 'head_size', '')}"
         for s in group_specs
     ]
     digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -7,15 +7,24 @@ once; workers keep them until the inner connector reports the load done.
 KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
   1: LoadRecord(req_id, num_local, num_loaded, groups), GroupLoad(group,
      first_block, block_ids); KVTailMetadata(inner, loads, read_loads).
+  2: LoadRecord.vouched; KVTailMetadata.producer_tails; KVTailWorkerMeta.
+
+This protocol is in-process (scheduler <-> workers of one engine); what
+crosses from a producer to a consumer is the ``kvtail`` entry
+(:mod:`kvtail_connector.entry`), versioned on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
-KVTAIL_PROTOCOL_VERSION = 1
+KVTAIL_PROTOCOL_VERSION = 2
 
 NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
 
@@ -43,12 +52,19 @@ class LoadRecord:
 
     ``num_loaded`` is the count before vLLM's full-hit ``N-1`` rewind (the
     forward rewrites that slot anyway); the tail starts there.
+
+    ``vouched``: the producer zeroed that tail before sending it and said so
+    (a matching ``kvtail`` entry): workers skip its zeroing. A producer's own
+    tail record (``KVTailMetadata.producer_tails``) has ``num_local == 0``,
+    ``num_loaded`` = the prompt length, and only the block holding the prompt's
+    last token in each group with a partial last block.
     """
 
     req_id: str
     num_local: int
     num_loaded: int
     groups: tuple[GroupLoad, ...]
+    vouched: bool = False
 
 
 @dataclass
@@ -61,10 +77,48 @@ class KVTailMetadata(KVConnectorMetadata):
         read_loads: synchronous MoRIIO READ loads (tails zeroed once landed);
             their ``num_loaded`` is the producer's prompt length, where the
             stale tail its blocks carry starts.
+        producer_tails: remote-decode prompts completing this step (on a
+            producer): tails the workers zero and confirm.
         version: :data:`KVTAIL_PROTOCOL_VERSION` of the sender.
     """
 
     inner: KVConnectorMetadata
     loads: tuple[LoadRecord, ...] = ()
     read_loads: tuple[LoadRecord, ...] = ()
+    producer_tails: tuple[LoadRecord, ...] = ()
     version: int = KVTAIL_PROTOCOL_VERSION
+
+
+@dataclass
+class KVTailWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: which producer tails each rank zeroed.
+
+    vLLM's ``KVOutputAggregator`` folds every worker's metadata with
+    :meth:`aggregate`, so after it ``confirmed[req] == ranks`` means every rank
+    that reported zeroed that request's tail.
+
+    Attributes:
+        inner: the inner connector's worker metadata (unwrapped before the
+            inner connector's ``update_connector_output``).
+        confirmed: request id -> ranks that zeroed its producer tail this step.
+        ranks: workers folded into this object.
+    """
+
+    inner: KVConnectorWorkerMetadata | None = None
+    confirmed: dict[str, int] = field(default_factory=dict)
+    ranks: int = 1
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVTailWorkerMeta):
+            raise TypeError(
+                f"every worker runs KVTailConnector, yet one sent {type(other).__name__}"
+            )
+        inner: Any = self.inner
+        if inner is None:
+            inner = other.inner
+        elif other.inner is not None:
+            inner = inner.aggregate(other.inner)
+        confirmed = dict(self.confirmed)
+        for req_id, n in other.confirmed.items():
+            confirmed[req_id] = confirmed.get(req_id, 0) + n
+        return KVTailWorkerMeta(inner=inner, confirmed=confirmed, ranks=self.ranks + other.ranks)

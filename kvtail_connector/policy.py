@@ -11,8 +11,11 @@ function is pure (no vLLM import), so every rule below is tested directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvtail_connector.config import KVTailConfig
+
+ProducerHook = Literal["finish_forward", "wait_for_save"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,13 @@ class TailPolicy:
         hold_completions: keep completions whose zeroing has not executed out
             of ``finished_recving`` (transfers that bypass the worker's fence).
         probe: count stale bytes before zeroing (``probe_stale_tails``).
+        vouch_tails: as a producer, zero each remote-decode prompt's tail and
+            vouch for it in the request's ``kv_transfer_params``.
+        producer_hook: the worker hook that zeroes those tails: the first one
+            ordered after the step's last KV write and before the step's
+            output leaves the worker (None when not vouching).
+        trust_vouched: as a consumer, skip the tails a producer vouched for
+            (when its entry's geometry and length match the load).
     """
 
     zero_tails: bool
@@ -43,11 +53,14 @@ class TailPolicy:
     read_tails_by_layer: bool
     hold_completions: bool
     probe: bool
+    vouch_tails: bool = False
+    producer_hook: ProducerHook | None = None
+    trust_vouched: bool = False
 
     @property
     def needs_caches(self) -> bool:
         """Whether workers zero anything at all (and so map the KV caches)."""
-        return self.zero_tails or self.zero_failed_loads or self.zero_read_tails
+        return self.zero_tails or self.zero_failed_loads or self.zero_read_tails or self.vouch_tails
 
 
 def resolve_policy(
@@ -59,6 +72,9 @@ def resolve_policy(
     sync_read: bool,
     writes_past_the_fence: bool,
     reads_may_land_per_layer: bool,
+    is_producer: bool = False,
+    carries_producer_tail: bool = False,
+    producer_hook: ProducerHook | None = None,
 ) -> TailPolicy:
     """The policy for one engine.
 
@@ -72,6 +88,13 @@ def resolve_policy(
         writes_past_the_fence: the inner connector's transfers can start from
             the scheduler side, bypassing ``start_load_kv`` (MoRIIO WRITE).
         reads_may_land_per_layer: this vLLM waits for READs per layer (0.32).
+        is_producer: the engine sends KV (``kv_role`` producer or both).
+        carries_producer_tail: the inner connector's transfer copies the
+            producer's whole blocks after the producer's step output (NIXL,
+            MoRIIO READ): a tail the producer zeroed arrives zeroed.
+        producer_hook: the runner's hook ordered after the last prompt KV
+            write and before the step's output (``_compat.producer_tail_hook``;
+            None where no hook is, e.g. a drafter writes KV past the prompt).
     """
     zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
     # vLLM re-zeroes a failed load's blocks itself whenever it zeroes at all
@@ -82,6 +105,15 @@ def resolve_policy(
     # the wrapper zeroes those tails whatever zero_tails says, so no setting
     # leaves less zeroed than vLLM would.
     zero_reads = sync_read and is_consumer and (zero or needs_zeroing)
+    # Tails matter wherever this config has a consumer zero them (tails or READ
+    # tails): the producer runs the same model and settings.
+    vouch = (
+        cfg.vouch_tails == "auto"
+        and is_producer
+        and carries_producer_tail
+        and producer_hook is not None
+        and (zero or (needs_zeroing and sync_read))
+    )
     return TailPolicy(
         zero_tails=zero,
         zero_failed_loads=zero_failed,
@@ -95,4 +127,7 @@ def resolve_policy(
         # started past the fence can overtake it.
         hold_completions=writes_past_the_fence,
         probe=cfg.probe_stale_tails,
+        vouch_tails=vouch,
+        producer_hook=producer_hook if vouch else None,
+        trust_vouched=cfg.vouch_tails == "auto" and is_consumer and carries_producer_tail,
     )

@@ -22,6 +22,16 @@ METRICS = {
     "probed_tails": "Loaded requests whose tails probe_stale_tails inspected.",
     "stale_nonzero_bytes": "Non-zero bytes probe_stale_tails found in tails before zeroing.",
     "stale_nonfinite_values": "Non-finite values probe_stale_tails found in tails before zeroing.",
+    "tails_vouched": "Producer: remote-decode requests sent with a clean-tail claim.",
+    "producer_tail_bytes_zeroed": "Producer: bytes of prompt tails zeroed before sending (all "
+    "ranks).",
+    "vouched_tails": "Consumer: loaded requests whose tail was not zeroed, the producer having "
+    "vouched for it.",
+    "vouched_tail_bytes": "Consumer: tail bytes not zeroed because the producer vouched for them "
+    "(all ranks).",
+    "vouches_declined": "Consumer: kvtail entries not trusted (unknown version, malformed, other "
+    "geometry or length).",
+    "false_vouches": "Consumer: vouched tails probe_stale_tails found non-zero (then zeroed).",
 }
 GAUGE_METRICS = {
     "held_requests": "Requests the wrapper holds state for (largest over its scheduler side "

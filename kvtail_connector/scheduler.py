@@ -5,17 +5,31 @@ and whether the inner load is async; at ``update_state_after_alloc`` it gets
 the blocks and the external token count. That is everything a worker needs to
 find the load's stale tail, so a :class:`LoadRecord` goes into this step's
 metadata and the scheduler keeps nothing about the request afterwards.
+
+On a producer it also ships a record for each remote-decode prompt that
+completes in the step (its tail is zeroed by the workers in that step), and
+when the request finishes adds the ``kvtail`` entry to the params the inner
+connector returned, once every worker confirmed the zeroing
+(:meth:`TailScheduler.update_connector_output`, in the same
+``update_from_output`` call).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from kvtail_connector import _compat
+from kvtail_connector import _compat, entry
 from kvtail_connector.connectors import BackendAdapter
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.metadata import (
+    NULL_BLOCK,
+    GroupLoad,
+    KVTailMetadata,
+    KVTailWorkerMeta,
+    LoadRecord,
+)
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import tail_block
@@ -32,6 +46,11 @@ class TailScheduler:
         policy: what to record (``zero_tails``, ``record_every_load``,
             ``zero_read_tails``) and whether to exclude READ destinations.
         adapter: what differs for this inner connector.
+        geometry: this engine's tail geometry, as the ``kvtail`` entry states
+            it (a producer's claim holds for it; a consumer trusts only a claim
+            made for the same).
+        num_workers: workers whose outputs vLLM aggregates per step (each
+            must confirm a producer tail).
     """
 
     def __init__(
@@ -42,12 +61,24 @@ class TailScheduler:
         *,
         adapter: BackendAdapter,
         stats: KVTailStats,
+        geometry: entry.Geometry | None = None,
+        num_workers: int = 1,
     ) -> None:
         self._inner = inner
         self._groups = groups
         self._policy = policy
         self._adapter = adapter
         self._stats = stats
+        self._geometry = geometry
+        self._num_workers = num_workers
+        self._kv_cache_manager: Any = None
+        # Producer: remote-decode requests from arrival to finish; the prompt
+        # length of those whose tail record shipped; the params of those that
+        # finished in the update_from_output call now running, until its
+        # update_connector_output confirms (or not) the zeroing.
+        self._producing: dict[str, Any] = {}
+        self._claims: dict[str, int] = {}
+        self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
         # req_id -> (local computed tokens, load is async) from the latest
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
         self._matched: dict[str, tuple[int, bool]] = {}
@@ -62,6 +93,23 @@ class TailScheduler:
         self._failed: set[str] = set()
 
     # ----------------------------------------------------------------- hooks
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        """A producer notes the remote-decode requests whose tail it vouches for.
+
+        Only single-token prefill legs (``max_tokens == 1``, what P/D routers
+        send): the request then finishes in the step its prompt completes, so
+        no later forward of it (async scheduling's next step included) writes
+        past the prompt into the tail the claim covers.
+        """
+        if not self._policy.vouch_tails:
+            return
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and getattr(request, "max_tokens", 0) == 1:
+            self._producing[request.request_id] = request
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -91,9 +139,14 @@ class TailScheduler:
             return  # other sync loads land in blocks vLLM zeroed first
         record = self._record(request, blocks, local, local + num_external_tokens)
         if record is not None:
+            if self._vouched(request, record.num_loaded):
+                record = dataclasses.replace(record, vouched=True)
             self._pending.append(record)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
+        # Params left by an update_from_output that had no connector output:
+        # they have left the engine; no entry is added to them after that.
+        self._provisional.clear()
         inner_meta = self._inner.build_connector_meta(scheduler_output)
         exclude = self._policy.exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
         read_loads: tuple[LoadRecord, ...] = ()
@@ -107,21 +160,46 @@ class TailScheduler:
                 self._drop_read_destinations(scheduler_output, reads)
             if self._pending_reads:
                 read_loads = self._read_records(scheduler_output.num_scheduled_tokens, reads)
-        meta = KVTailMetadata(inner=inner_meta, loads=tuple(self._pending), read_loads=read_loads)
-        if self._pending or read_loads:
+        producer = self._producer_records(scheduler_output) if self._producing else ()
+        meta = KVTailMetadata(
+            inner=inner_meta,
+            loads=tuple(self._pending),
+            read_loads=read_loads,
+            producer_tails=producer,
+        )
+        if self._pending or read_loads or producer:
             logger.debug(
-                "kvtail: shipping %d load(s), %d READ load(s)", len(self._pending), len(read_loads)
+                "kvtail: shipping %d load(s), %d READ load(s), %d producer tail(s)",
+                len(self._pending),
+                len(read_loads),
+                len(producer),
             )
         self._pending.clear()
         return meta
 
-    def request_finished(self, request: Any) -> None:
-        self._matched.pop(request.request_id, None)
+    def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
+        """``params``: what the inner connector's ``request_finished`` returned,
+        the very dict vLLM puts into the request's output."""
+        req_id = request.request_id
+        self._matched.pop(req_id, None)
+        self._producing.pop(req_id, None)
+        num_tokens = self._claims.pop(req_id, None)
+        if num_tokens is not None and isinstance(params, dict):
+            self._provisional[req_id] = (params, num_tokens)
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        """Count each failed async load once: reported in ``failed_recving``,
-        or holding a block of ``invalid_block_ids`` (both aggregated over the
-        workers by vLLM), then forget the loads reported finished."""
+    def update_connector_output(
+        self, connector_output: Any, worker_meta: KVTailWorkerMeta | None = None
+    ) -> None:
+        """Grant the producer claims of requests finished in this call, then
+        count each failed async load once: reported in ``failed_recving``, or
+        holding a block of ``invalid_block_ids`` (both aggregated over the
+        workers by vLLM), then forget the loads reported finished.
+
+        ``worker_meta``: the wrapper's worker metadata of the step being
+        processed (aggregated over the workers), unwrapped by the facade.
+        """
+        if self._provisional:
+            self._grant_claims(worker_meta)
         if not self._in_flight:
             return
         failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
@@ -140,12 +218,84 @@ class TailScheduler:
 
     def held_requests(self) -> int:
         """Requests this side holds state for (the ``held_requests`` gauge)."""
-        held = self._matched.keys() | self._in_flight.keys()
+        held = self._matched.keys() | self._in_flight.keys() | self._producing.keys()
         held.update(r.req_id for r in self._pending)
         held.update(req.request_id for req, *_ in self._pending_reads)
         return len(held)
 
     # ---------------------------------------------------------------- helpers
+
+    def _producer_records(self, scheduler_output: Any) -> tuple[LoadRecord, ...]:
+        """Tail records of the remote-decode prompts this step completes: in each
+        group with token tails, the block holding the prompt's last token, when
+        that block is partial. A block-aligned prompt ships an empty record (its
+        tail is trivially clean; every worker still confirms it)."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        manager = self._kv_cache_manager
+        records = []
+        for req_id, request in self._producing.items():
+            step = scheduled.get(req_id, 0)
+            done = int(request.num_computed_tokens)  # not yet advanced for this step
+            n = int(request.num_prompt_tokens)
+            if step <= 0 or not done < n <= done + step or manager is None:
+                continue
+            block_ids = manager.get_block_ids(req_id)
+            groups = []
+            for info in self._groups:
+                tail = tail_block(n, info.effective_block) if info.has_tails else None
+                if tail is None:
+                    continue
+                ids = block_ids[info.group_id]
+                if tail[0] >= len(ids) or ids[tail[0]] == _compat.NULL_BLOCK_ID:
+                    break  # not a block this step writes: no claim
+                groups.append(GroupLoad(info.group_id, tail[0], (ids[tail[0]],)))
+            else:
+                records.append(LoadRecord(req_id, 0, n, tuple(groups)))
+                self._claims[req_id] = n
+        return tuple(records)
+
+    def _grant_claims(self, worker_meta: KVTailWorkerMeta | None) -> None:
+        """Add the ``kvtail`` entry to each finished producer request's params
+        whose tail every worker zeroed in the step just processed; the others
+        leave without one (their consumer zeroes as if P were plain vLLM)."""
+        provisional, self._provisional = self._provisional, {}
+        workers = self._num_workers
+        confirmed: dict[str, int] = {}
+        if worker_meta is not None and worker_meta.ranks == workers:
+            confirmed = worker_meta.confirmed
+        assert self._geometry is not None, "a producer knows its geometry"
+        for req_id, (params, num_tokens) in provisional.items():
+            if confirmed.get(req_id) != workers:
+                logger.debug("kvtail: %s: tail not confirmed by every worker: no claim", req_id)
+                continue
+            claim = entry.Entry(num_tokens=num_tokens, geometry=self._geometry, tail_zero=True)
+            params[entry.KEY] = claim.to_json()
+            self._stats.add("tails_vouched", 1)
+
+    def _vouched(self, request: Any, zero_from: int) -> bool:
+        """Whether the producer vouched for the tail this consumer would zero
+        from token ``zero_from``: a valid entry, made for this geometry, whose
+        clean tail starts at the same token."""
+        if not self._policy.trust_vouched:
+            return False
+        found, why = entry.read(request.kv_transfer_params)
+        if found is None:
+            if why != "absent":
+                self._stats.add("vouches_declined", 1)
+                logger.debug("kvtail: %s: kvtail entry ignored (%s)", request.request_id, why)
+            return False
+        if found.tail_zero and found.geometry == self._geometry and found.num_tokens == zero_from:
+            return True
+        self._stats.add("vouches_declined", 1)
+        logger.debug(
+            "kvtail: %s: producer claim not for this load (tokens %d vs %d, geometry %s vs %s)",
+            request.request_id,
+            found.num_tokens,
+            zero_from,
+            found.geometry,
+            self._geometry,
+        )
+        return False
 
     def _read_records(
         self, num_scheduled: dict[str, int], reads: dict[str, set[int]]
@@ -177,6 +327,8 @@ class TailScheduler:
                 for load in record.groups
                 if (k := self._tail_index(record.num_loaded, load.group)) is not None
             ):
+                if self._vouched(request, valid):
+                    record = dataclasses.replace(record, vouched=True)
                 records.append(record)
         self._pending_reads.clear()
         return tuple(records)
@@ -241,4 +393,7 @@ class TailScheduler:
             + len(self._pending_reads)
             + len(self._in_flight)
             + len(self._failed)
+            + len(self._producing)
+            + len(self._claims)
+            + len(self._provisional)
         )

@@ -29,6 +29,12 @@ COUNTERS = (
     "probed_tails",
     "stale_nonzero_bytes",
     "stale_nonfinite_values",
+    "tails_vouched",
+    "producer_tail_bytes_zeroed",
+    "vouched_tails",
+    "vouched_tail_bytes",
+    "vouches_declined",
+    "false_vouches",
 )
 # Levels, not counts. Each part of the wrapper (scheduler side, every worker)
 # reports its level in every step where it is non-zero or has just changed,
@@ -63,7 +69,11 @@ class KVTailStats(KVConnectorStats):
     reported failed or with invalid blocks, per request), ``probed_tails``
     (requests inspected), ``stale_nonzero_bytes`` and
     ``stale_nonfinite_values`` (what ``probe_stale_tails`` found before
-    zeroing, all ranks). Per-request counters are counted once per request
+    zeroing, all ranks). Producer claims (``vouch_tails``): ``tails_vouched``
+    (requests sent with the claim) and ``producer_tail_bytes_zeroed`` on the
+    producer; ``vouched_tails``, ``vouched_tail_bytes`` (not zeroed),
+    ``vouches_declined`` and ``false_vouches`` (the probe's canary) on the
+    consumer. Per-request counters are counted once per request
     (the scheduler side, or the first worker rank), so vLLM's sum over TP
     workers stays a count of requests.
 

@@ -18,6 +18,14 @@ What that orders after the zeroing:
   scheduler) completions are held until their zeroing has executed
   (:mod:`~kvtail_connector.completion_hold`), and loads whose request was
   aborted in flight are not zeroed at all (see :meth:`TailWorker.on_transfer_results`).
+
+Loads whose producer vouched for a clean tail (``LoadRecord.vouched``) are not
+zeroed; with ``probe_stale_tails`` they are checked, and zeroed where the
+check finds bytes (the canary).
+
+On a producer the worker zeroes the tails of the remote-decode prompts that
+complete in the step, in the hook ``TailPolicy.producer_hook`` names, and
+reports which it zeroed in :class:`~kvtail_connector.metadata.KVTailWorkerMeta`.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cache_slots
 from kvtail_connector.load_errors import LoadErrorLedger
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, LoadRecord
+from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, KVTailWorkerMeta, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.work import Line
 from kvtail_connector.policy import TailPolicy
@@ -123,6 +131,9 @@ class TailWorker:
         self._abandoned: set[str] = set()
         self._hold = CompletionHold() if policy.hold_completions else None
         self._last_zeroing: torch.cuda.Event | None = None
+        # Producer: this step's prompt tails, and those zeroed in the hook.
+        self._producer_tails: list[LoadRecord] = []
+        self._producer_zeroed: list[str] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -183,6 +194,34 @@ class TailWorker:
                 record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
             )
         self._read_loads.extend(meta.read_loads)
+        self._producer_tails.extend(meta.producer_tails)
+
+    def zero_producer_tails(self) -> None:
+        """The producer hook (``policy.producer_hook``): zero the slots past each
+        completing remote-decode prompt in its last block, on the current
+        stream, after the step's forward and before its output; each request
+        zeroed here is confirmed in this step's worker metadata. Without
+        registered caches (sleep mode) nothing is zeroed and nothing confirmed."""
+        records, self._producer_tails = self._producer_tails, []
+        if not records or self._zeroer is None:
+            return
+        batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
+        # Not probed: the counters say what consumers received.
+        self._zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
+        self._producer_zeroed.extend(r.req_id for r in records)
+
+    def worker_meta(self, inner: Any) -> Any:
+        """This step's ``build_connector_worker_meta``: the inner connector's,
+        wrapped with the producer tails this rank zeroed (every step where the
+        policy vouches, so every rank's metadata aggregates alike)."""
+        if not self._policy.vouch_tails:
+            return inner
+        if self._producer_tails:
+            # Bound this step but the hook never ran: not zeroed, not confirmed.
+            logger.debug("kvtail: %d producer tail(s) not zeroed", len(self._producer_tails))
+            self._producer_tails = []
+        zeroed, self._producer_zeroed = self._producer_zeroed, []
+        return KVTailWorkerMeta(inner=inner, confirmed=dict.fromkeys(zeroed, 1))
 
     def fence(self) -> None:
         """Before the inner connector starts a load, earlier zeroing has executed.
@@ -202,7 +241,11 @@ class TailWorker:
 
     def held_requests(self) -> int:
         """Requests this worker holds state for (the ``held_requests`` gauge)."""
-        held = self._loads.keys() | {r.req_id for r in self._read_loads}
+        held = (
+            self._loads.keys()
+            | {r.req_id for r in self._read_loads}
+            | {r.req_id for r in self._producer_tails}
+        )
         if self._by_layer is not None:
             held |= self._by_layer.owners_pending()
         return len(held) + (len(self._hold) if self._hold is not None else 0)
@@ -220,6 +263,8 @@ class TailWorker:
             + self._errors.num_tracked
             + len(self._abandoned)
             + held
+            + len(self._producer_tails)
+            + len(self._producer_zeroed)
         )
 
     # ------------------------------------------------------------ completion
@@ -280,6 +325,7 @@ class TailWorker:
         if not done:
             return set()
         batches: list[_Zeroing] = []
+        vouched: list[_Zeroing] = []
         tails = 0  # requests
         for pending in done:
             record = pending.record
@@ -295,10 +341,14 @@ class TailWorker:
                     batches.append(self._zeroing(record.req_id, items))
             elif self._policy.zero_tails:
                 batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
+                if record.vouched:
+                    vouched.append(batch)
+                    continue
                 if batch.lines:
                     batches.append(batch)
                 tails += self._has_tail(record)
         self._count_tails(tails)
+        batches += self._check_vouched(vouched, [p.record for p in done if p.record.vouched])
         self._zero(batches)
         return {b.owner for b in batches if b.lines}
 
@@ -309,6 +359,16 @@ class TailWorker:
         if not self._read_loads:
             return
         records, self._read_loads = self._read_loads, []
+        trusted = [r for r in records if r.vouched]
+        if trusted:
+            # READs copy the producer's blocks, zeroed at the source: no
+            # per-layer launch (the probe's canary covers async loads only).
+            self._count_vouched(
+                [self._zeroing(r.req_id, self._tail_items(r)) for r in trusted], trusted
+            )
+            records = [r for r in records if not r.vouched]
+            if not records:
+                return
         by_layer = self._by_layer
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
@@ -362,20 +422,59 @@ class TailWorker:
         )
         return _Zeroing(owner, lines, nbytes)
 
-    def _zero(self, batches: list[_Zeroing]) -> None:
+    def _check_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> list[_Zeroing]:
+        """Vouched tails are not zeroed, only counted; with the probe on they are
+        checked first, and those holding any non-zero byte are returned to be
+        zeroed (the producer's claim was false: a WARNING and ``false_vouches``)."""
+        if not batches:
+            return []
+        self._count_vouched(batches, records)
+        if not self._policy.probe:
+            return []
+        lined = [b for b in batches if b.lines]
+        if not lined:
+            return []
+        found = probe_items(
+            self._sets,
+            np.array([ln.item for b in lined for ln in b.lines], dtype=np.int64),
+            [b.owner for b in lined for _ in b.lines],
+        )
+        false = {req for req, (nonzero, _) in found.items() if nonzero}
+        for req_id in sorted(false):
+            nonzero, nonfinite = found[req_id]
+            logger.warning(
+                "KVTailConnector: request %s: the producer vouched for a zero tail, yet it held "
+                "%d non-zero byte(s) (%d non-finite value(s)); zeroing it. Is the producer's "
+                'kvtail-connector healthy? (vouch_tails: "off" on either side stops trusting)',
+                req_id,
+                nonzero,
+                nonfinite,
+            )
+        if false and self._per_request:
+            self._stats.add("false_vouches", len(false))
+        return [b for b in lined if b.owner in false]
+
+    def _count_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> None:
+        self._stats.add("vouched_tail_bytes", sum(b.nbytes for b in batches))
+        if self._per_request:
+            self._stats.add("vouched_tails", sum(self._has_tail(r) for r in records))
+
+    def _zero(
+        self, batches: list[_Zeroing], counter: str = "tail_bytes_zeroed", *, probe: bool = True
+    ) -> None:
         zeroer = self._zeroer
         if zeroer is None:
             return
         lines = [ln for b in batches for ln in b.lines]
         if not lines:
             return
-        if self._policy.probe:
+        if probe and self._policy.probe:
             self._report_probe(
                 self._sets,
                 [ln.item for b in batches for ln in b.lines],
                 [b.owner for b in batches for _ in b.lines],
             )
-        self._stats.add("tail_bytes_zeroed", sum(b.nbytes for b in batches))
+        self._stats.add(counter, sum(b.nbytes for b in batches))
         zeroer.zero_lines(lines)
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
         self._last_zeroing = zeroer.last_launch_done

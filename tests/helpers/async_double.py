@@ -25,6 +25,12 @@ Per request, everything is driven by ``kv_transfer_params``:
   finished instead (a transport that breaks vLLM's "no later than the
   finishing pass" rule).
 
+* ``do_remote_decode: True`` (a producer's request): ``request_finished``
+  returns P/D params naming the request's blocks, as NIXL's producer does.
+
+Its adapter (:class:`AsyncLoadDoubleAdapter`) says the transfer carries the
+producer's whole blocks, as NIXL's does, so producer claims apply to it.
+
 Tests holding the worker instance can also call ``fail_request`` or
 ``report_invalid_blocks`` directly.
 
@@ -49,6 +55,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtail_connector.connectors import BackendAdapter, register_adapter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -187,14 +195,14 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         self.calls.append(("request_finished", request.request_id, block_ids))
         self._forget(request.request_id)
-        return False, None
+        return False, _producer_params(request, [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.calls.append(("request_finished_all_groups", request.request_id, block_ids))
         self._forget(request.request_id)
-        return False, None
+        return False, _producer_params(request, list(block_ids))
 
     def _forget(self, req_id: str) -> None:
         self.blocks_by_req.pop(req_id, None)
@@ -280,11 +288,27 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
         )
 
 
+def _producer_params(request: Request, block_ids: list[list[int]]) -> dict[str, Any] | None:
+    """A producer's P/D params for a remote-decode request (None otherwise)."""
+    if not (request.kv_transfer_params or {}).get("do_remote_decode"):
+        return None
+    return {"do_remote_prefill": True, "remote_block_ids": [list(b) for b in block_ids]}
+
+
+class AsyncLoadDoubleAdapter(BackendAdapter):
+    """The double stands in for a peer transport that copies whole blocks."""
+
+    @property
+    def carries_producer_tail(self) -> bool:
+        return True
+
+
 def register() -> None:
     """Register the double by name; safe to call any number of times."""
     # ValueError means already registered: a re-import, or another test got there first.
     with contextlib.suppress(ValueError):
         KVConnectorFactory.register_connector(CONNECTOR_NAME, MODULE_PATH, CONNECTOR_NAME)
+    register_adapter(CONNECTOR_NAME, AsyncLoadDoubleAdapter)
 
 
 register()

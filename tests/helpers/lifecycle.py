@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
@@ -34,12 +35,15 @@ class Harness:
     """A real scheduler and worker, both running KVTailConnector."""
 
     def __init__(self, zero_tails: str = "always", kv_cache_config: Any = None, **kw: Any):
+        """``kw``: the wrapper's other settings (KVTailConfig fields such as
+        ``probe_stale_tails``), the rest to ``make_vllm_config``."""
         extra = {
             "backend": "AsyncLoadDouble",
             "backend_module_path": async_double.MODULE_PATH,
             "zero_tails": zero_tails,
             "backend_extra_config": kw.pop("backend_extra_config", {}),
         }
+        extra.update({k: kw.pop(k) for k in list(kw) if k in KVTailConfig.model_fields})
         kw.setdefault("kv_load_failure_policy", "recompute")
         self.vllm_config = make_vllm_config(
             kv_connector="KVTailConnector",

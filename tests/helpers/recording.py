@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 SENTINEL = object()
+# What request_finished[_all_groups] return: (delay_free_blocks, kv_transfer_params).
+FINISHED = (False, {"recorded": True})
 MODULE_PATH = "tests.helpers.recording"
 
 
@@ -58,8 +60,13 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
         self._rec("build_connector_meta", scheduler_output)
         return RecordingMetadata()
 
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._rec("request_finished", request, block_ids)
+        return FINISHED
+
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
-        return self._rec("request_finished_all_groups", request, block_ids)
+        self._rec("request_finished_all_groups", request, block_ids)
+        return FINISHED
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._rec("get_transfer_results", finished_req_ids)
@@ -125,7 +132,6 @@ RECORDED_HOOKS = (
     "get_external_cache_hit_sources",
     "on_new_request",
     "update_connector_output",
-    "request_finished",
     "register_finished_partial_tail",
     "take_events",
     "has_pending_block_frees",

@@ -589,3 +589,43 @@ def _counted_nothing(run: Any) -> bool:
     held_requests gauge, is not a count)."""
     stats = run.scheduler.connector.get_kv_connector_stats()
     return stats is None or not any(stats[name] for name in COUNTERS)
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer (0.32)", "at start"])
+def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer):
+    # The producer vouched for its tail (a kvtail entry for this geometry and a
+    # 100-token prompt): the READ copies its blocks, zero past the prompt at the
+    # source, so the worker arms no layer and zeroes nothing; a mismatched
+    # length in the entry gets today's zeroing.
+    from kvtail_connector import entry
+    from kvtail_connector.stats import KVTailStats
+    from tests.helpers.worker_caches import allocate, make_tail_worker
+
+    kv = _mixed()
+    geometry = entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1)
+    for n, vouched in ((100, True), (99, False)):
+        run = make_run(wrapped=True, kv_cache_config=kv)
+        remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
+        params = _peer_params(remote, req_id="read")
+        params[entry.KEY] = entry.Entry(n, geometry, tail_zero=True).to_json()
+        run.add("read", 100, params)
+        out = run.scheduler.schedule()
+        (record,) = out.kv_connector_metadata.read_loads
+        assert record.vouched is vouched
+
+        caches = allocate(kv)
+        stats = KVTailStats()
+        worker = make_tail_worker(kv, read_tails_by_layer=per_layer, stats=stats)
+        worker.register_kv_caches(caches.views, kv)
+        worker.bind(out.kv_connector_metadata)
+        before = {gid: raw.clone() for gid, raw in caches.raw.items()}
+        worker.reads_started(landed=not per_layer)
+        for g in kv.kv_cache_groups:
+            for name in g.layer_names:
+                worker.layer_loaded(name)
+        worker.end_step()
+        unchanged = all(torch.equal(caches.raw[g], before[g]) for g in before)
+        assert unchanged is vouched
+        assert (stats["vouched_tails"], stats["tails_zeroed"]) == ((1, 0) if vouched else (0, 1))
+        assert (stats["tail_bytes_zeroed"] == 0) is vouched
+        assert worker.num_tracked == 0

@@ -35,6 +35,10 @@ def test_frozen_and_user_dict_untouched():
             ["kv_connector_extra_config.zero_tails", '"auto"', '"always"', '"off"'],
         ),
         (
+            {"backend": "NixlConnector", "vouch_tails": True},
+            ["kv_connector_extra_config.vouch_tails", '"auto"', '"off"'],
+        ),
+        (
             {"backend": "NixlConnector", "zero_tail": "auto"},
             ["kv_connector_extra_config.zero_tail: unknown field", "zero_tails"],
         ),

@@ -17,12 +17,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 from kvtail_connector.connector import KVTailConnector  # noqa: E402
 from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from tests.helpers import recording  # noqa: E402
-from tests.helpers.recording import SENTINEL, RecordingConnector, RecordingMetadata  # noqa: E402
+from tests.helpers.recording import (  # noqa: E402
+    FINISHED,
+    SENTINEL,
+    RecordingConnector,
+    RecordingMetadata,
+)
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
@@ -130,7 +136,7 @@ SCHEDULER_HOOKS = [
     ("get_loaded_kv_cache_group_ids", ("req",), SENTINEL),
     ("get_external_cache_hit_sources", ("req", 5), SENTINEL),
     ("on_new_request", ("req",), None),
-    ("update_connector_output", ("out",), None),
+    ("update_connector_output", (KVConnectorOutput(),), None),
     ("register_finished_partial_tail", ("req", ([1],), []), SENTINEL),
     ("take_events", (), SENTINEL),
     ("has_pending_block_frees", (), SENTINEL),
@@ -166,9 +172,9 @@ def test_scheduler_request_hooks_forward():
     meta = wrapper.build_connector_meta("so")
     assert last(inner) == ("build_connector_meta", ("so",))
     assert isinstance(meta, KVTailMetadata) and isinstance(meta.inner, RecordingMetadata)
-    assert wrapper.request_finished(req, [1]) is SENTINEL
+    assert wrapper.request_finished(req, [1]) is FINISHED
     assert last(inner) == ("request_finished", (req, [1]))
-    assert wrapper.request_finished_all_groups(req, ([1],)) is SENTINEL
+    assert wrapper.request_finished_all_groups(req, ([1],)) is FINISHED
     assert last(inner) == ("request_finished_all_groups", (req, ([1],)))
     wrapper.bind_kv_cache_manager(_Manager())
     assert last(inner)[0] == "bind_kv_cache_manager"

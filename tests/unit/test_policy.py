@@ -98,3 +98,40 @@ def test_the_probe_is_the_users_setting_and_the_policy_is_frozen():
     assert p.probe
     with pytest.raises(AttributeError):
         p.zero_tails = True  # type: ignore[misc]
+
+
+def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
+    cfg = KVTailConfig(backend="NixlConnector", zero_tails=zero_tails, vouch_tails=vouch)
+    args = dict.fromkeys(FACTS, False)
+    args.update(is_producer=False, carries_producer_tail=True, producer_hook="wait_for_save")
+    args.update(facts)
+    return resolve_policy(cfg, **args)
+
+
+def test_a_producer_vouches_only_where_its_transfer_carries_the_zeroed_tail():
+    p = _claims(is_producer=True)
+    assert p.vouch_tails and p.producer_hook == "wait_for_save" and p.needs_caches
+    assert not _claims(is_producer=True, carries_producer_tail=False).vouch_tails
+    drafter = _claims(is_producer=True, producer_hook=None)  # no ordered hook
+    assert not drafter.vouch_tails and drafter.producer_hook is None
+    assert not _claims(is_producer=False).vouch_tails
+    assert not _claims("off", is_producer=True).vouch_tails
+
+
+def test_a_producer_vouches_where_its_consumer_would_zero():
+    # Tails matter where zero_tails zeroes, or where READ tails are zeroed anyway.
+    assert not _claims(zero_tails="auto", is_producer=True).vouch_tails  # model needs none
+    assert _claims(zero_tails="auto", is_producer=True, needs_zeroing=True).vouch_tails
+    off = _claims(zero_tails="off", is_producer=True, needs_zeroing=True)
+    assert not off.vouch_tails and not off.needs_caches
+    read = _claims(zero_tails="off", is_producer=True, needs_zeroing=True, sync_read=True)
+    assert read.vouch_tails and read.needs_caches
+
+
+def test_a_consumer_trusts_claims_only_over_a_transfer_that_carries_them():
+    assert _claims(is_consumer=True).trust_vouched
+    assert not _claims(is_consumer=True, carries_producer_tail=False).trust_vouched
+    assert not _claims("off", is_consumer=True).trust_vouched
+    assert not _claims(is_consumer=False).trust_vouched
+    both = _claims(is_consumer=True, is_producer=True)  # kv_both
+    assert both.trust_vouched and both.vouch_tails

@@ -1,0 +1,313 @@
+"""Producer claims on the real Scheduler (0.32 and 0.33): P zeroes and vouches,
+D trusts only a claim made for its own load.
+
+P runs the wrapper around the transport double as a producer: its
+``request_finished`` returns P/D params for remote-decode requests, as NIXL's
+producer does. The ``kvtail`` entry must reach the very params vLLM puts into
+the request's ``EngineCoreOutput`` (the wrapper fills them in place, in the
+same ``update_from_output`` call): a vLLM that reorders ``request_finished`` and
+``update_connector_output`` fails here instead of silently dropping the claim.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+
+from kvtail_connector import _compat, entry  # noqa: E402
+from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
+from tests.helpers.vllm_factories import (  # noqa: E402
+    make_model_runner_output,
+    make_worker_connector,
+    run_step,
+    run_worker_step,
+)
+from tests.helpers.worker_caches import allocate  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def producer(**kw: Any) -> Harness:
+    return Harness("always", kv_role="kv_producer", **kw)
+
+
+def finished_params(engine_outputs: dict[int, Any]) -> dict[str, Any]:
+    return {
+        o.request_id: o.kv_transfer_params
+        for outs in engine_outputs.values()
+        for o in outs.outputs
+        if o.finish_reason is not None
+    }
+
+
+def step(h: Harness) -> dict[str, Any]:
+    """One engine step; the params of the requests it finished."""
+    out, engine_outputs = run_step(h.scheduler, h.worker)
+    assert isinstance(out.kv_connector_metadata, KVTailMetadata)
+    h.metas.append(out.kv_connector_metadata)
+    return finished_params(engine_outputs)
+
+
+def slot_bytes(view: torch.Tensor) -> int:
+    return view.shape[1] * view.shape[3] * view.element_size()
+
+
+def prefill_leg(h: Harness, req_id: str, num_tokens: int) -> dict[str, Any]:
+    h.add(req_id, num_tokens, max_tokens=1, do_remote_decode=True)
+    params = step(h)
+    h.finish()
+    return params[req_id]
+
+
+# ------------------------------------------------------------------ producer
+
+
+def test_a_remote_decode_prompt_leaves_with_a_claim_after_its_tail_is_zeroed():
+    h = producer()
+    h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    params = step(h)["p1"]
+    found, why = entry.read(params)
+    assert why == "ok" and found is not None
+    assert found.num_tokens == 37 and found.tail_zero
+    assert found.geometry.block_sizes == (BLOCK,) and found.geometry.dcp == 1
+    assert params["do_remote_prefill"] is True  # the inner connector's params, kept
+    (ids,) = params["remote_block_ids"]
+    view = h.caches.views[LAYERS[0]]
+    for layer in LAYERS:
+        # The forward's slots are P's business (stale here: no forward ran);
+        # exactly the slots past the prompt in its last block are zeroed.
+        assert slot_state(h.caches.views[layer], ids[2]) == ["stale"] * 5 + ["zero"] * 11
+        for b in ids[:2]:
+            assert slot_state(h.caches.views[layer], b) == ["stale"] * BLOCK
+    others = sorted(set(range(h.kv_cache_config.num_blocks)) - {ids[2]})
+    assert torch.isnan(view[others]).all()
+    h.finish()
+    assert h.stats["tails_vouched"] == 1
+    assert h.stats["producer_tail_bytes_zeroed"] == 11 * len(LAYERS) * slot_bytes(view)
+    assert h.stats["tail_bytes_zeroed"] == 0
+
+
+def test_a_block_aligned_prompt_is_vouched_for_with_nothing_to_zero():
+    h = producer()
+    params = prefill_leg(h, "p1", 48)
+    assert entry.read(params)[0] == entry.Entry(48, entry.read(params)[0].geometry, True)
+    assert h.stats["tails_vouched"] == 1 and h.stats["producer_tail_bytes_zeroed"] == 0
+    assert h.metas[0].producer_tails[0].groups == ()
+
+
+def test_a_chunked_prompt_is_recorded_in_the_step_that_completes_it():
+    h = producer(max_num_batched_tokens=32)
+    h.add("p1", 70, max_tokens=1, do_remote_decode=True)
+    assert step(h) == {} and step(h) == {}  # chunks 0-31, 32-63
+    params = step(h)["p1"]  # 64-69 completes the prompt
+    assert [len(m.producer_tails) for m in h.metas] == [0, 0, 1]
+    assert entry.read(params)[0].num_tokens == 70
+    h.finish()
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "remote_decode"), [(4, True), (1, False)], ids=["decodes-on-P", "plain"]
+)
+def test_no_claim_for_requests_that_are_not_single_token_prefill_legs(max_tokens, remote_decode):
+    h = producer()
+    kw = {"do_remote_decode": True} if remote_decode else {}
+    h.add("p1", 37, max_tokens=max_tokens, **kw)
+    params: dict[str, Any] = {}
+    for _ in range(max_tokens):
+        params.update(step(h))
+    assert "p1" in params
+    assert params["p1"] is None or entry.KEY not in params["p1"]
+    assert all(not m.producer_tails for m in h.metas)
+    h.finish()
+    assert h.stats["tails_vouched"] == 0 and h.stats["producer_tail_bytes_zeroed"] == 0
+
+
+def test_a_drafter_on_the_producer_means_no_claim_and_no_zeroing():
+    h = producer(num_speculative_tokens=2)
+    params = prefill_leg(h, "p1", 37)
+    assert entry.KEY not in params
+    assert h.stats["producer_tail_bytes_zeroed"] == 0
+
+
+def _step_without_the_hook(h: Harness, order: str) -> dict[str, Any]:
+    """A worker step in another runner's order: ``v1-no-hook`` never calls
+    ``wait_for_save`` (a runner that skipped the hook); ``v2`` calls
+    ``finish_forward`` after the forward, as the V2 model runner does."""
+    out = h.scheduler.schedule()
+    worker, meta = h.worker, out.kv_connector_metadata
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    if order == "v2":
+        worker.finish_forward()
+        worker.wait_for_save()
+    results = worker.get_transfer_results(out.finished_req_ids)
+    from vllm.v1.outputs import KVConnectorOutput
+
+    kv_out = KVConnectorOutput(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+    worker.clear_connector_metadata()
+    runner = make_model_runner_output(out, scheduler=h.scheduler, kv_connector_output=kv_out)
+    return finished_params(h.scheduler.update_from_output(out, runner))
+
+
+def test_the_claim_needs_the_zeroing_to_have_run_in_the_runners_hook(monkeypatch):
+    h = producer()
+    h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    params = _step_without_the_hook(h, "v1-no-hook")["p1"]
+    assert entry.KEY not in params  # bound, never zeroed: never claimed
+    h.finish()
+
+    monkeypatch.setattr(_compat, "producer_tail_hook", lambda _cfg: "finish_forward")
+    v2 = producer()
+    v2.add("p2", 37, max_tokens=1, do_remote_decode=True)
+    params = _step_without_the_hook(v2, "v2")["p2"]
+    assert entry.read(params)[1] == "ok"
+    (ids,) = params["remote_block_ids"]
+    assert slot_state(v2.caches.views[LAYERS[0]], ids[2])[5:] == ["zero"] * 11
+    v2.finish()
+
+
+class TPProducer:
+    """A real Scheduler and ``ranks`` producer workers through vLLM's aggregator."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
+        monkeypatch.setattr(_compat, "worker_count", lambda _p: ranks)
+        self.h = producer()
+        self.workers = [self.h.worker]
+        for _ in range(ranks - 1):
+            w = make_worker_connector(self.h.vllm_config, self.h.kv_cache_config)
+            w.register_kv_caches(allocate(self.h.kv_cache_config).views)
+            self.workers.append(w)
+        self.aggregator = KVOutputAggregator(ranks)
+
+    def step(self) -> dict[str, Any]:
+        s = self.h.scheduler
+        out = s.schedule()
+        outputs = [
+            make_model_runner_output(out, scheduler=s, kv_connector_output=run_worker_step(w, out))
+            for w in self.workers
+        ]
+        return finished_params(s.update_from_output(out, self.aggregator.aggregate(outputs)))
+
+
+def test_every_rank_must_confirm_and_one_that_did_not_zero_withholds_the_claim(monkeypatch):
+    tp = TPProducer(monkeypatch, ranks=4)
+    tp.h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    assert entry.read(tp.step()["p1"])[1] == "ok"
+    tp.workers[2].unregister_kv_caches()  # sleep mode on one rank
+    tp.h.add("p2", 37, max_tokens=1, do_remote_decode=True)
+    assert entry.KEY not in tp.step()["p2"]
+    tp.workers[2].restore_kv_caches()
+    tp.h.add("p3", 37, max_tokens=1, do_remote_decode=True)
+    assert entry.read(tp.step()["p3"])[1] == "ok"
+    tp.h.scheduler.schedule()
+    assert tp.h.scheduler.connector.scheduler_state_is_empty()
+    assert all(w.scheduler_state_is_empty() for w in tp.workers)
+
+
+# ------------------------------------------------------------------ consumer
+
+
+def _consume(kvtail: Any, *, probe: bool = False, tail_zero_on_arrival: bool = False) -> Harness:
+    """D loads 37 tokens of ``c1`` with ``kvtail`` in its params; the transport
+    writes tokens 0-36 (and, with ``tail_zero_on_arrival``, zeroes in the tail
+    the way a vouching producer's block arrives)."""
+    h = Harness("always", probe_stale_tails=probe)
+    params: dict[str, Any] = {"double_load_tokens": 37, "double_finish_after_steps": 2}
+    if kvtail is not None:
+        params[entry.KEY] = kvtail
+    h.add("c1", 37, **params)
+    h.step()
+    h.land("c1", 0, 0, 37)
+    ids = h.inner_scheduler.blocks_by_req["c1"][0]
+    if tail_zero_on_arrival:
+        for layer in LAYERS:
+            h.caches.views[layer][ids[2], :, 5:, :] = 0
+    h.step()
+    h.tail_state = [slot_state(h.caches.views[layer], ids[2]) for layer in LAYERS]
+    h.finish()
+    return h
+
+
+@pytest.fixture(scope="module")
+def vouched() -> dict[str, Any]:
+    """A real producer's entry for a 37-token prompt."""
+    return prefill_leg(producer(), "p1", 37)[entry.KEY]
+
+
+def test_a_vouched_tail_is_not_zeroed_and_is_counted(vouched):
+    h = _consume(vouched)
+    assert h.tail_state == [["loaded"] * 5 + ["stale"] * 11] * 2  # left as it arrived
+    assert [r.vouched for r in h.records()] == [True]
+    assert h.stats["vouched_tails"] == 1 and h.stats["tails_zeroed"] == 0
+    view = h.caches.views[LAYERS[0]]
+    assert h.stats["vouched_tail_bytes"] == 11 * len(LAYERS) * slot_bytes(view)
+    assert h.stats["tail_bytes_zeroed"] == 0
+
+
+def _edited(vouched: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(vouched)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "declined"),
+    [
+        (None, None, 0),  # no entry: nothing to decline
+        (("n",), 36, 1),  # another length
+        (("geom", "bs"), [32], 1),  # another block size
+        (("geom", "dcp"), 2, 1),
+        (("geom", "sig"), "0" * 16, 1),  # other specs
+        (("v",), 2, 1),  # unknown version
+        (("tail",), "maybe", 1),  # no claim
+        (("geom",), "16", 1),  # malformed
+    ],
+    ids=["absent", "length", "block-size", "dcp", "signature", "version", "no-claim", "malformed"],
+)
+def test_everything_but_a_matching_claim_is_zeroed_as_today(vouched, path, value, declined):
+    h = _consume(None if path is None else _edited(vouched, path, value))
+    assert h.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+    assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
+    assert h.stats["vouches_declined"] == declined
+
+
+def test_unknown_keys_in_the_entry_are_ignored(vouched):
+    h = _consume({**vouched, "dg": {"alg": "future"}, "extra": 1})
+    assert h.stats["vouched_tails"] == 1 and h.stats["vouches_declined"] == 0
+
+
+def test_the_probe_catches_a_false_claim_and_zeroes_it(vouched, caplog):
+    h = _consume(vouched, probe=True)  # the "producer" left its tail stale
+    assert h.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+    assert h.stats["false_vouches"] == 1
+    assert "vouched for a zero tail" in caplog.text
+    honest = _consume(vouched, probe=True, tail_zero_on_arrival=True)
+    assert honest.stats["false_vouches"] == 0 and honest.stats["tail_bytes_zeroed"] == 0
+    assert honest.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+
+
+def test_vouch_tails_off_on_the_consumer_trusts_nothing(vouched):
+    h = Harness("always", vouch_tails="off")
+    h.add("c1", 37, double_load_tokens=37, **{entry.KEY: vouched})
+    h.step()
+    assert [r.vouched for r in h.records()] == [False]
+    h.land("c1", 0, 0, 37)
+    h.finish()
+    assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
