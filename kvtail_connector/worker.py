@@ -425,14 +425,13 @@ class TailWorker:
     def _check_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> list[_Zeroing]:
         """Vouched tails are not zeroed, only counted; with the probe on they are
         checked first, and those holding any non-zero byte are returned to be
-        zeroed (the producer's claim was false: a WARNING and ``false_vouches``)."""
+        zeroed and counted as zeroed tails (the producer's claim was false: a
+        WARNING and ``false_vouches``)."""
         if not batches:
             return []
-        self._count_vouched(batches, records)
-        if not self._policy.probe:
-            return []
         lined = [b for b in batches if b.lines]
-        if not lined:
+        if not self._policy.probe or not lined:
+            self._count_vouched(batches, records)
             return []
         found = probe_items(
             self._sets,
@@ -440,6 +439,11 @@ class TailWorker:
             [b.owner for b in lined for _ in b.lines],
         )
         false = {req for req, (nonzero, _) in found.items() if nonzero}
+        honest = [r for r in records if r.req_id not in false]
+        self._count_vouched([b for b in batches if b.owner not in false], honest)
+        if self._per_request:
+            self._stats.add("probed_tails", sum(self._has_tail(r) for r in honest))
+        self._count_tails(sum(self._has_tail(r) for r in records if r.req_id in false))
         for req_id in sorted(false):
             nonzero, nonfinite = found[req_id]
             logger.warning(

@@ -297,9 +297,11 @@ def test_the_probe_catches_a_false_claim_and_zeroes_it(vouched, caplog):
     h = _consume(vouched, probe=True)  # the "producer" left its tail stale
     assert h.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
     assert h.stats["false_vouches"] == 1
+    assert (h.stats["tails_zeroed"], h.stats["probed_tails"], h.stats["vouched_tails"]) == (1, 1, 0)
     assert "vouched for a zero tail" in caplog.text
     honest = _consume(vouched, probe=True, tail_zero_on_arrival=True)
     assert honest.stats["false_vouches"] == 0 and honest.stats["tail_bytes_zeroed"] == 0
+    assert (honest.stats["vouched_tails"], honest.stats["tails_zeroed"]) == (1, 0)
     assert honest.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
 
 
