@@ -508,7 +508,7 @@ def _time_fn(fn: Callable[[], Any], reps: int) -> list[int]:
 def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str, float]]:
     """The wrapper's host work for N_TAILS loads, piece by piece, same inputs.
 
-    Pieces are private helpers of ``TailWorker`` / ``KVZeroer``; a piece whose
+    Pieces are private helpers of ``TailWorker`` / ``StepZeroer``; a piece whose
     helper is gone (the code moved on) is left out rather than guessed.
     """
     from kvtail_connector.tails import first_stale_slot

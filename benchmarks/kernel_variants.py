@@ -20,10 +20,11 @@ import torch
 import triton
 from bench_zeroing import _noop, graph_time_us, launch_floor_us, make_cache, memset_bandwidth
 
-from kvtail_connector.ops import KVZeroer
-from kvtail_connector.ops import launcher as L
+from kvtail_connector.ops import launcher
+from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.staging import PinnedStaging
-from kvtail_connector.ops.work import parts_work
+from kvtail_connector.ops.work import encoded_work
+from kvtail_connector.ops.work_schema import HEADER_WORDS, ITEM_COLS, ROW_COLUMN
 
 # (BLOCK, num_warps, programs per SM, 16-byte stores)
 VARIANTS = [
@@ -47,18 +48,18 @@ def items_for(rng, num_blocks, slots, n_tails, n_blocks):
 
 
 def variant_time(zeroer, items, rows_vec, rows_novec, block, warps, per_sm, vec):
-    old = L.BLOCK
-    L.BLOCK = block  # the work header's chunk counts depend on it
+    old = launcher.BLOCK
+    launcher.BLOCK = block  # the work header's chunk counts depend on it
     try:
-        work, units = parts_work([zeroer.encode(items, validate=False)])
+        work, units = encoded_work(zeroer._encode(items, validate=False))
     finally:
-        L.BLOCK = old
+        launcher.BLOCK = old
     work_dev = torch.from_numpy(work).cuda()
     rows = rows_vec if vec else rows_novec
     grid = max(1, min(units, torch.cuda.get_device_properties(0).multi_processor_count * per_sm))
 
     def fn():
-        L.kernel()[(grid,)](work_dev, rows, BLOCK=block, num_warps=warps)
+        launcher.kernel()[(grid,)](work_dev, rows, BLOCK=block, num_warps=warps, **launcher.COLUMNS)
 
     return graph_time_us(fn)
 
@@ -92,11 +93,11 @@ def main() -> int:
     print("| cache | tails | blocks | MiB | floor µs | " + " | ".join(names) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(VARIANTS))
     for name, ((_raw, views), slots) in caches.items():
-        zeroer = KVZeroer([(views, 1)], use_graphs=False)
+        zeroer = StepZeroer([(views, 1)], use_graphs=False)
         assert zeroer._launcher is not None
         rows_vec = zeroer._launcher.rows
         rows_novec = rows_vec.clone()
-        rows_novec[:, 7] = 0
+        rows_novec[:, ROW_COLUMN["vectorized"]] = 0
         v0 = views[0]
         per_slot = v0.shape[1] * v0.shape[3] * v0.element_size()
         for n_tails, n_blocks in CASES:
@@ -113,23 +114,23 @@ def main() -> int:
 
     # Host cost of each launch path (µs per call, queued, no sync in the loop).
     _raw, views = make_cache(2, 256, 8, 16, 256, torch.bfloat16)
-    graphs = KVZeroer([(views, 1)])
+    graphs = StepZeroer([(views, 1)])
     graphs.warmup()
-    staged = KVZeroer([(views, 1)], use_graphs=False)
+    staged = StepZeroer([(views, 1)], use_graphs=False)
     staged.warmup()
     items64, _ = items_for(rng, 256, 16, 64, 0)
-    launcher = staged._launcher
-    assert launcher is not None and launcher._compiled is not None
-    compiled = launcher._compiled
+    kernel_launcher = staged._launcher
+    assert kernel_launcher is not None and kernel_launcher._compiled is not None
+    compiled = kernel_launcher._compiled
+    rows = kernel_launcher.rows
     x = torch.empty(1, device="cuda")
-    empty = torch.zeros(L.HEADER, dtype=torch.int64, device="cuda")
+    empty = torch.zeros(HEADER_WORDS, dtype=torch.int64, device="cuda")
     staging = PinnedStaging(torch.device("cuda"))
-    table = np.zeros(L.HEADER + 64 * L.ITEM_COLS, dtype=np.int64)
-    prepared = staged.prepare(items64)
-    # What the worker holds at completion: one encoded batch per request.
-    parts64 = [staged.encode(items64[i : i + 1], validate=False) for i in range(64)]
+    table = np.zeros(HEADER_WORDS + 64 * ITEM_COLS, dtype=np.int64)
+    prepared = staged.stage_groups([0], [(int(b), int(f)) for _, b, f in items64])
+    # What the worker holds at completion: one encoded line per tail.
     lines64 = [graphs.line(*map(int, item)) for item in items64]
-    assert prepared is not None
+    assert prepared.has_work(0) and all(lines64)
     print()
     print("| host path | µs/call |")
     print("|---|---:|")
@@ -137,24 +138,22 @@ def main() -> int:
         ("empty Triton kernel, JIT launch", lambda: _noop[(1,)](x), 2000),
         (
             "our kernel, JIT launch (empty work)",
-            lambda: L.launch_jit(1, empty, launcher.rows),
+            lambda: launcher.launch_jit(1, empty, rows),
             2000,
         ),
         (
             "our kernel, compiled launch (empty work)",
-            lambda: compiled(1, empty, launcher.rows),
+            lambda: compiled(1, empty, rows),
             2000,
         ),
         ("staging a 64-item work buffer", lambda: staging.to_device(table), 2000),
-        ("encode 64 tails (numpy)", lambda: staged.encode(items64, validate=False), 2000),
-        ("work buffer from 64 encoded tails", lambda: parts_work(parts64), 2000),
-        ("zero 64 pre-encoded tails, graph path", lambda: graphs.zero_encoded(parts64), 500),
+        ("encode 64 tails (numpy)", lambda: staged._encode(items64, validate=False), 2000),
         (
             "zero 64 tail lines (the worker's path), graph path",
             lambda: graphs.zero_lines(lines64),
             500,
         ),
-        ("launch only (staged, 64 tails)", prepared.launch, 1000),
+        ("launch only (staged, 64 tails)", lambda: prepared.launch(0), 1000),
         ("zero 64 tails, staged path", lambda: staged.zero(items64, validate=False), 500),
         ("zero 64 tails, graph path", lambda: graphs.zero(items64, validate=False), 500),
         ("zero 64 tails, graph path, validated", lambda: graphs.zero(items64), 500),

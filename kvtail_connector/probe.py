@@ -15,37 +15,17 @@ import torch
 from kvtail_connector.layout import CacheSet
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.ops.geometry import describe_cache
-from kvtail_connector.ops.torch_path import (
-    expand_slots,
-    owner_bytes,
-    page_rows,
-    region_slots,
-    tail_pages,
-)
+from kvtail_connector.ops.torch_path import expand_slots, region_tail_bytes
 
 
 def _region_tail_bytes(
     cache: RegionCache, pages: int, block: int, first: int
 ) -> list[torch.Tensor]:
-    """The bytes of slots ``[first, P*N)`` of ``block``: one gather of page
-    rows masked by the byte -> slot map (bytes in page order), or region by
-    region where page rows overlap (heads outside the block dim)."""
+    """The bytes of slots ``[first, P*N)`` of ``block`` (see
+    :func:`region_tail_bytes`: page order where page rows do not overlap)."""
     g = describe_cache(cache, 0)
-    blocks, firsts = np.array([block]), np.array([first])
-    if g.page_span > g.page_stride:
-        b, j, s = expand_slots(blocks, firsts, pages, g.slots_per_page)
-        device = g.tensor.device
-        found = region_slots(
-            g, pages, g.num_pages // pages, b.to(device), j.to(device), s.to(device)
-        )
-        return [region[index] for region, index in found]
-    page, lo = tail_pages(g, pages, blocks, firsts)
-    if page.size == 0:
-        return []
-    owner = owner_bytes(g)
-    rows = page_rows(g)[torch.from_numpy(page).to(owner.device)]
-    mask = owner[None, :] >= torch.from_numpy(lo).to(owner.device)[:, None].to(torch.int32)
-    return [rows[mask]]
+    found = region_tail_bytes(g, pages, np.array([block]), np.array([first]))
+    return [view[index] if mask is None else view[index][mask] for view, index, mask in found]
 
 
 def _view_tail_bytes(cache: torch.Tensor, pages: int, block: int, first: int) -> list[torch.Tensor]:

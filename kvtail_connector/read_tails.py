@@ -22,8 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kvtail_connector.layout import CacheSet, cache_slot_bytes, cache_slots
-from kvtail_connector.ops import KVZeroer
-from kvtail_connector.ops.zeroer import StagedGroups
+from kvtail_connector.ops._step_zeroer import StagedGroups, StepZeroer
 
 
 @dataclass
@@ -67,7 +66,7 @@ class ReadTailsByLayer:
             self._children.append(list(range(i, i + len(s.caches))))
             i += len(s.caches)
         self._names = [ls.layer_names[0] for ls in self.layer_sets]
-        self.zeroer = KVZeroer([([c], s.pages_per_block) for s in sets for c in s.caches])
+        self.zeroer = StepZeroer([([c], s.pages_per_block) for s in sets for c in s.caches])
         self._slot_bytes = [cache_slot_bytes(ls.caches[0]) for ls in self.layer_sets]
         self._slots = [ls.pages_per_block * cache_slots(ls.caches[0]) for ls in self.layer_sets]
         self._armed: list[list[tuple[str, int, int]]] = [[] for _ in sets]

@@ -45,7 +45,7 @@ from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cach
 from kvtail_connector.load_errors import LoadErrorLedger
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, KVTailWorkerMeta, LoadRecord
-from kvtail_connector.ops import KVZeroer
+from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.work import Line
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.probe import probe_items
@@ -116,7 +116,7 @@ class TailWorker:
         self._policy = policy
         self._stats = stats
         self._per_request = counts_requests
-        self._zeroer: KVZeroer | None = None
+        self._zeroer: StepZeroer | None = None
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
         self._loads: dict[str, _Pending] = {}
@@ -149,7 +149,7 @@ class TailWorker:
         if not self._sets:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
             return
-        self._zeroer = KVZeroer([(s.caches, s.pages_per_block) for s in self._sets])
+        self._zeroer = StepZeroer([(s.caches, s.pages_per_block) for s in self._sets])
         self._sets_of_group = {}
         for i, s in enumerate(self._sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
@@ -161,10 +161,10 @@ class TailWorker:
             self._by_layer = ReadTailsByLayer(self._sets)
             self._by_layer.zeroer.warmup()
         logger.info(
-            "KVTailConnector: zeroing tails on %s (%s backend%s): %d layer(s) in %d set(s), "
+            "KVTailConnector: zeroing tails on %s (%s%s): %d layer(s) in %d set(s), "
             "DCP rank %d/%d, interleave %d",
             self._zeroer.device,
-            self._zeroer.backend,
+            self._zeroer.implementation,
             ", CUDA graphs" if self._zeroer.uses_graphs else "",
             sum(len(s.caches) for s in self._sets),
             len(self._sets),

@@ -323,16 +323,12 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
 def describe_caches(
     caches: Sequence[torch.Tensor | RegionCache], pages_per_block: int
 ) -> list[CacheGeometry]:
-    """Validate a group of caches sharing one manager-block geometry."""
+    """Validate a group of caches sharing one manager-block geometry (their
+    device is checked across groups, by :func:`one_device`)."""
     pages_per_block = as_int("pages_per_block", pages_per_block, minimum=1)
     if isinstance(caches, (torch.Tensor, RegionCache)):
         raise ValueError("caches: expected a sequence of caches, got a single cache")
     geoms = [describe_cache(c, i) for i, c in enumerate(caches)]
-    devices = {g.tensor.device for g in geoms}
-    if len(devices) > 1:
-        raise ValueError(
-            f"caches: all caches must be on one device, got {sorted(map(str, devices))}"
-        )
     for i, g in enumerate(geoms):
         if g.num_pages % pages_per_block:
             raise ValueError(
@@ -340,6 +336,20 @@ def describe_caches(
                 f"not a multiple of {pages_per_block}"
             )
     return geoms
+
+
+def one_device(geoms: Sequence[CacheGeometry]) -> torch.device:
+    """The device every cache of ``geoms`` is on (CPU when there are none).
+
+    Raises:
+        ValueError: naming ``caches`` when they are on several devices.
+    """
+    devices = {g.tensor.device for g in geoms}
+    if len(devices) > 1:
+        raise ValueError(
+            f"caches: all caches must be on one device, got {sorted(map(str, devices))}"
+        )
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def whole_block_rows(geoms: Sequence[CacheGeometry], pages_per_block: int) -> list[Row]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
+from kvtail_connector.ops.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
 
 # ops must not import vLLM: a plain logger (vLLM's handler sees it when the
 # wrapper runs, through the ``vllm`` parent set in kvtail_connector.log).
@@ -29,14 +30,10 @@ NUM_WARPS = 4
 # Persistent grid: programs per multiprocessor (benchmarks/kernel_variants.py:
 # 16 beat 4 and 8 on tails; all tie on whole blocks).
 PROGRAMS_PER_SM = 16
-# Work buffer layout (must match the kernel): header words, item columns.
-HEADER = 8
-ITEM_COLS = 4
-ROW_COLS = 9
 # Items a CUDA graph slot holds; larger work takes the staged launch.
 GRAPH_ITEMS = 256
-# Work units are counted in int32 inside the kernel.
-MAX_UNITS = 2**31 - 1
+# The tables' layout, handed to the kernel as constexprs (ops/work_schema.py).
+COLUMNS = kernel_columns()
 # Programs for the interpreter: each one loops in Python, so few and busy.
 _INTERPRETER_PROGRAMS = 4
 
@@ -93,7 +90,32 @@ def work_at(base: torch.Tensor, offset: int) -> Any:
 
 
 def launch_jit(grid: int, work: torch.Tensor, rows: torch.Tensor) -> None:
-    kernel()[(grid,)](work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    kernel()[(grid,)](work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, **COLUMNS)
+
+
+def constexpr_args() -> list[int]:
+    """The kernel's constexpr arguments in signature order (after the two
+    tables), as the compiled kernel's launcher takes them: positionally."""
+    values = {"BLOCK": BLOCK, **COLUMNS}
+    return [values[name] for name in kernel().arg_names[2:]]
+
+
+def warmup(device: torch.device | str | None = None) -> None:
+    """Compile the zeroing kernel for ``device`` (default: the current CUDA device).
+
+    The kernel has no specialized integer argument and its buffers are always
+    fresh, 16-byte-aligned allocations, so this one compile covers every
+    launch. No-op without CUDA (or the Triton interpreter).
+    """
+    dev = torch.device(device) if device is not None else None
+    if dev is None:
+        if not torch.cuda.is_available():
+            return
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" and not interpreting():
+        return
+    empty = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=dev)
+    launch_jit(1, empty, empty)
 
 
 class _Compiled:
@@ -107,10 +129,13 @@ class _Compiled:
     """
 
     def __init__(self, work: torch.Tensor, rows: torch.Tensor) -> None:
-        compiled = kernel().warmup(work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, grid=(1,))
+        compiled = kernel().warmup(
+            work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, grid=(1,), **COLUMNS
+        )
+        self._constexprs = constexpr_args()
         self._fast: Any = None
         try:
-            compiled[(1, 1, 1)](work, rows, BLOCK)
+            compiled[(1, 1, 1)](work, rows, *self._constexprs)
             self._fast = compiled
         except Exception:  # noqa: BLE001 - any launcher mismatch means: use the JIT path
             self._fast = None
@@ -121,7 +146,7 @@ class _Compiled:
 
     def __call__(self, grid: int, work: Any, rows: torch.Tensor) -> None:
         if self._fast is not None:
-            self._fast[(grid, 1, 1)](work, rows, BLOCK)
+            self._fast[(grid, 1, 1)](work, rows, *self._constexprs)
         else:
             launch_jit(grid, _as_tensor(work), rows)
 
@@ -153,7 +178,7 @@ class KernelLauncher:
 
     def warmup(self) -> None:
         """Compile the kernel (and capture the graphs) touching no cache byte."""
-        empty = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
+        empty = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
         if self.device.type != "cuda":
             launch_jit(1, empty, self.rows)
             return
@@ -164,7 +189,7 @@ class KernelLauncher:
             try:
                 self._graphs = GraphSlots(
                     self.device,
-                    HEADER + GRAPH_ITEMS * ITEM_COLS,
+                    HEADER_WORDS + GRAPH_ITEMS * ITEM_COLS,
                     lambda work: compiled(self.programs, work, self.rows),
                 )
             except RuntimeError as e:  # capture refused (e.g. another capture running)

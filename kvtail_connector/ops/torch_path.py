@@ -34,8 +34,11 @@ def expand_slots(
     return b, s // n_slots, s % n_slots
 
 
-def _byte_storage(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+def _storage_bytes(g: CacheGeometry) -> tuple[torch.Tensor, int]:
+    """The cache's whole storage as uint8, and the byte its first page starts at."""
+    t = g.tensor
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    return raw, int(t.storage_offset() * t.element_size())
 
 
 def zero_group(
@@ -67,7 +70,7 @@ def zero_group(
             view = g.tensor.unflatten(0, (num_blocks, pages_per_block))
             view[b, j, :, s] = 0
             continue
-        _zero_regions(g, pages_per_block, num_blocks, blocks, firsts)
+        _zero_regions(g, pages_per_block, blocks, firsts)
 
 
 def owner_bytes(g: CacheGeometry) -> torch.Tensor:
@@ -103,8 +106,7 @@ def tail_pages(
 def page_rows(g: CacheGeometry) -> torch.Tensor:
     """``[B, page_span]`` uint8 view of every page of a region-described cache
     (rows overlap when a page's span reaches past the next page's start)."""
-    raw = _byte_storage(g.tensor)
-    first_byte = g.tensor.storage_offset() * g.tensor.element_size()
+    raw, first_byte = _storage_bytes(g)
     return torch.as_strided(
         raw, (g.num_pages, g.page_span), (g.page_stride, 1), storage_offset=first_byte
     )
@@ -120,8 +122,7 @@ def region_slots(
 ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Per region, its ``[blocks, pages, served slots, slot_bytes]`` byte view and
     the indices of the (b, j, s) slots it serves."""
-    raw = _byte_storage(g.tensor)
-    first_byte = g.tensor.storage_offset() * g.tensor.element_size()
+    raw, first_byte = _storage_bytes(g)
     n = g.slots_per_page
     out = []
     for r in g.regions:
@@ -140,30 +141,44 @@ def region_slots(
     return out
 
 
-def _zero_regions(
-    g: CacheGeometry, pages_per_block: int, num_blocks: int, blocks: np.ndarray, firsts: np.ndarray
-) -> None:
-    """Region-described pages: one gather, masked fill and scatter of whole
-    page rows (a page may have thousands of regions, e.g. CPU_ATTN's AMX
-    tiles), or region by region where page rows would overlap."""
+# A byte view and what of it a tail covers: the view's entries at ``index``
+# (whole entries), or those entries' bytes where ``mask`` is True.
+TailBytes = tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]
+
+
+def region_tail_bytes(
+    g: CacheGeometry, pages_per_block: int, blocks: np.ndarray, firsts: np.ndarray
+) -> list[TailBytes]:
+    """Where the slots ``[first, P*N)`` of each item's block lie in a
+    region-described cache: one gather of whole page rows masked by the
+    byte -> slot map (a page may have thousands of regions, e.g. CPU_ATTN's
+    AMX tiles), or region by region where page rows would overlap (heads
+    outside the block dim)."""
+    num_blocks = g.num_pages // pages_per_block
+    device = g.tensor.device
     if g.page_span > g.page_stride:
-        # Page rows would overlap (heads outside the block dim): go region by region.
         b, j, s = expand_slots(blocks, firsts, pages_per_block, g.slots_per_page)
-        device = g.tensor.device
-        for region, served in region_slots(
+        found = region_slots(
             g, pages_per_block, num_blocks, b.to(device), j.to(device), s.to(device)
-        ):
-            region[served] = 0
-        return
+        )
+        return [(region, served, None) for region, served in found]
     page, lo = tail_pages(g, pages_per_block, blocks, firsts)
     if page.size == 0:
-        return
-    rows = page_rows(g)
+        return []
     owner = owner_bytes(g)
-    device = owner.device
-    index = torch.from_numpy(page).to(device)
-    mask = owner[None, :] >= torch.from_numpy(lo).to(device)[:, None].to(torch.int32)
-    rows[index] = rows[index].masked_fill(mask, 0)
+    index = torch.from_numpy(page).to(owner.device)
+    mask = owner[None, :] >= torch.from_numpy(lo).to(owner.device)[:, None].to(torch.int32)
+    return [(page_rows(g), (index,), mask)]
+
+
+def _zero_regions(
+    g: CacheGeometry, pages_per_block: int, blocks: np.ndarray, firsts: np.ndarray
+) -> None:
+    for view, index, mask in region_tail_bytes(g, pages_per_block, blocks, firsts):
+        if mask is None:
+            view[index] = 0
+        else:
+            view[index] = view[index].masked_fill(mask, 0)
 
 
 # Byte -> slot maps, one per page geometry (not per layer), built on first use.

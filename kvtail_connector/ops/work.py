@@ -1,9 +1,9 @@
-"""The kernel's work buffer: row tables, work lines and their encodings.
+"""The kernel's work buffer and row table, packed as ``ops/work_schema.py`` lays them out.
 
-A launch reads one int64 buffer: a header (counts and maxima, see the kernel
-docstring) and one line per item, whole blocks first, then tails. This module
+A launch reads one int64 buffer: a :class:`WorkHeader` and one
+:class:`WorkItem` line per item, whole blocks first, then tails. This module
 builds it from lines, numpy-encoded items, or the same items for several
-groups at once; it touches no device.
+groups at once, and the row table from rows; it touches no device.
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtail_connector.ops import launcher as L
 from kvtail_connector.ops.geometry import Row
+from kvtail_connector.ops.work_schema import (
+    HEADER_WORDS,
+    ITEM_COLS,
+    ITEM_COLUMN,
+    MAX_UNITS,
+    ROW_COLS,
+    RowEntry,
+    WorkHeader,
+)
 
 
 def row_unit(row: Row) -> int:
@@ -33,52 +41,71 @@ def vectorizable(row: Row) -> bool:
     )
 
 
+def row_entry(row: Row) -> RowEntry:
+    """``row`` in the kernel's units (strides and runs in int32 words or bytes)."""
+    unit = row_unit(row)
+    return RowEntry(
+        base=row.base,
+        block_stride=row.block_stride,
+        slot_stride=row.slot_stride // unit,
+        run=row.run // unit,
+        n_slots=row.n_slots,
+        first_slot=row.first_slot,
+        unit=unit,
+        vectorized=int(vectorizable(row)),
+        slot_step=row.slot_step,
+    )
+
+
 def row_table(rows: list[Row]) -> np.ndarray:
-    table = np.zeros((max(len(rows), 1), L.ROW_COLS), dtype=np.int64)
+    """int64 ``[max(n_rows, 1), ROW_COLS]``: one :class:`RowEntry` per row."""
+    table = np.zeros((max(len(rows), 1), ROW_COLS), dtype=np.int64)
     for i, r in enumerate(rows):
-        unit = row_unit(r)
-        table[i] = (
-            r.base,
-            r.block_stride,
-            r.slot_stride // unit,
-            r.run // unit,
-            r.n_slots,
-            r.first_slot,
-            unit,
-            int(vectorizable(r)),
-            r.slot_step,
-        )
+        table[i] = row_entry(r)
     return table
 
 
 def work_header(
     n_whole: int, w_rows: int, w_chunks: int, n_tail: int, t_rows: int, t_chunks: int
 ) -> tuple[list[int], int]:
-    """The kernel's work header (see the kernel docstring) and its work units."""
+    """The kernel's work header, padded to ``HEADER_WORDS``, and its work units."""
     units = n_whole * w_rows * w_chunks + n_tail * t_rows * t_chunks
-    if units > L.MAX_UNITS:
+    if units > MAX_UNITS:
         raise ValueError(
-            f"items: {units} work units exceed one launch ({L.MAX_UNITS}); split the call"
+            f"items: {units} work units exceed one launch ({MAX_UNITS}); split the call"
         )
-    return [n_whole, w_rows, w_chunks, n_tail, t_rows, t_chunks, 0, 0], units
+    header = WorkHeader(
+        n_whole=n_whole,
+        rows_whole=w_rows,
+        chunks_whole=w_chunks,
+        n_tail=n_tail,
+        rows_tail=t_rows,
+        chunks_tail=t_chunks,
+    )
+    return [*header, *_HEADER_PADDING], units
+
+
+_HEADER_PADDING = (0,) * (HEADER_WORDS - len(WorkHeader._fields))
 
 
 class Line(NamedTuple):
-    """One item and its kernel work line (see ``KVZeroer.line``)."""
+    """One item and its kernel work line (see ``StepZeroer.line``)."""
 
     item: tuple[int, int, int]  # group, block, first slot
-    work: tuple[int, int, int, int]  # block, first slot, first row, row count
+    # A WorkItem's columns (block, first slot, first row, row count), as a
+    # plain tuple: built per item on the worker's completion path.
+    work: tuple[int, int, int, int]
     rows: int
     chunks: int
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """Items turned into kernel work lines (see :meth:`KVZeroer.encode`).
+    """Items turned into kernel work lines (see ``KVZeroer._encode``).
 
     Attributes:
         items: the live (group, block, first) items, for the torch path.
-        whole, tails: ``[k, ITEM_COLS]`` work lines of whole blocks / tails.
+        whole, tails: ``[k, ITEM_COLS]`` :class:`WorkItem` lines of whole blocks / tails.
         whole_rows, whole_chunks, tail_rows, tail_chunks: the largest row
             count and chunk count among those lines (the kernel's header).
     """
@@ -112,30 +139,26 @@ def line_work(lines: Sequence[Line]) -> tuple[np.ndarray, int]:
     work = np.fromiter(
         itertools.chain.from_iterable(rows),
         dtype=np.int64,
-        count=L.HEADER + L.ITEM_COLS * len(lines),
+        count=HEADER_WORDS + ITEM_COLS * len(lines),
     )
     return work, units
 
 
-def parts_work(parts: Sequence[Encoded]) -> tuple[np.ndarray, int]:
+def encoded_work(encoded: Encoded) -> tuple[np.ndarray, int]:
     """The kernel's work buffer (header + whole-block lines + tail lines)."""
-    if len(parts) == 1:
-        whole, tails = parts[0].whole, parts[0].tails
-    else:
-        whole = np.concatenate([p.whole for p in parts])
-        tails = np.concatenate([p.tails for p in parts])
+    whole, tails = encoded.whole, encoded.tails
     n_whole = len(whole)
     header, units = work_header(
         n_whole,
-        max(p.whole_rows for p in parts),
-        max(p.whole_chunks for p in parts),
+        encoded.whole_rows,
+        encoded.whole_chunks,
         len(tails),
-        max(p.tail_rows for p in parts),
-        max(p.tail_chunks for p in parts),
+        encoded.tail_rows,
+        encoded.tail_chunks,
     )
-    work = np.empty(L.HEADER + (n_whole + len(tails)) * L.ITEM_COLS, dtype=np.int64)
-    work[: L.HEADER] = header
-    body = work[L.HEADER :].reshape(-1, L.ITEM_COLS)
+    work = np.empty(HEADER_WORDS + (n_whole + len(tails)) * ITEM_COLS, dtype=np.int64)
+    work[:HEADER_WORDS] = header
+    body = work[HEADER_WORDS:].reshape(-1, ITEM_COLS)
     body[:n_whole] = whole
     body[n_whole:] = tails
     return work, units
@@ -166,12 +189,14 @@ def same_items_work(
         t_count if len(tails) else 0,
         t_chunks if len(tails) else 0,
     )
-    work = np.empty((len(tail_starts), L.HEADER + n * L.ITEM_COLS), dtype=np.int64)
-    work[:, : L.HEADER] = header
-    body = work[:, L.HEADER :].reshape(len(tail_starts), n, L.ITEM_COLS)
-    body[:, :, :2] = np.concatenate([whole, tails])
-    body[:, : len(whole), 2] = whole_starts[:, None]
-    body[:, : len(whole), 3] = w_count
-    body[:, len(whole) :, 2] = tail_starts[:, None]
-    body[:, len(whole) :, 3] = t_count
+    work = np.empty((len(tail_starts), HEADER_WORDS + n * ITEM_COLS), dtype=np.int64)
+    work[:, :HEADER_WORDS] = header
+    body = work[:, HEADER_WORDS:].reshape(len(tail_starts), n, ITEM_COLS)
+    items = np.concatenate([whole, tails])
+    body[:, :, ITEM_COLUMN["block"]] = items[:, 0]
+    body[:, :, ITEM_COLUMN["first_slot"]] = items[:, 1]
+    body[:, : len(whole), ITEM_COLUMN["first_row"]] = whole_starts[:, None]
+    body[:, : len(whole), ITEM_COLUMN["row_count"]] = w_count
+    body[:, len(whole) :, ITEM_COLUMN["first_row"]] = tail_starts[:, None]
+    body[:, len(whole) :, ITEM_COLUMN["row_count"]] = t_count
     return [(row, units) for row in work]

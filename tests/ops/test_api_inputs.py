@@ -22,7 +22,7 @@ from kvtail_connector.ops import (
     KVZeroer,
     PageRegion,
     RegionCache,
-    api,
+    functional,
     indexer_cache,
     launcher,
     reference_zero_kv_blocks,
@@ -51,9 +51,9 @@ def triton_plans(monkeypatch):
     """zero_kv_blocks on its CUDA path (cached Triton plans) for CPU caches."""
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(api, "_backend_for", lambda caches: "triton")
-    monkeypatch.setattr(api, "_PLANS", type(api._PLANS)())
-    return api._PLANS
+    monkeypatch.setattr(functional, "_implementation_for", lambda caches: "triton")
+    monkeypatch.setattr(functional, "_PLANS", type(functional._PLANS)())
+    return functional._PLANS
 
 
 # ------------------------------------------------------ what the API keeps
@@ -86,9 +86,9 @@ def test_a_freed_cache_is_released_after_a_triton_plan_call(triton_plans):
     assert all(ref() is None for ref in alive)  # the plan kept none of them
 
 
-def test_a_plan_that_holds_no_caches_needs_the_triton_backend():
-    with pytest.raises(ValueError, match="hold_caches: False needs the 'triton' backend"):
-        KVZeroer([([torch.zeros(4, 1, 4, 4)], 1)], backend="torch", hold_caches=False)
+def test_a_plan_that_holds_no_caches_needs_the_triton_implementation():
+    with pytest.raises(ValueError, match="hold_caches: False needs implementation='triton'"):
+        KVZeroer([([torch.zeros(4, 1, 4, 4)], 1)], implementation="torch", hold_caches=False)
 
 
 # ------------------------------------------------------------- empty work
@@ -122,7 +122,7 @@ def test_empty_views_launch_nothing(backend, launches):
     backing, views = _empty_views()
     before = backing.raw.clone()
     for view in views:
-        zeroer = KVZeroer([([view], 1)], backend=backend)
+        zeroer = KVZeroer([([view], 1)], implementation=backend)
         assert zeroer.num_rows == 0
         assert zeroer.zero(np.array([[0, 1, 0], [0, 2, 3]], dtype=np.int64)) == 0
     assert launches == []
@@ -148,7 +148,7 @@ def test_an_empty_view_beside_live_ones_changes_nothing_of_its_own(backend):
     backing = _backing()
     expected = _expected(backing, [1], [(2, 3)])
     empty = backing.views[0][:, :0]
-    KVZeroer([([empty, *backing.views], 1)], backend=backend).zero(
+    KVZeroer([([empty, *backing.views], 1)], implementation=backend).zero(
         np.array([[0, 1, 0], [0, 2, 3]], dtype=np.int64)
     )
     assert torch.equal(backing.raw, expected)

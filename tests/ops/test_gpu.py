@@ -10,7 +10,8 @@ import torch
 
 from kvtail_connector import zero_kv_blocks
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks, warmup
-from kvtail_connector.ops import launcher as L
+from kvtail_connector.ops._step_zeroer import StepZeroer
+from kvtail_connector.ops.work_schema import MAX_UNITS
 from tests.helpers.layouts import make_backing, rebase, to_device
 from tests.ops.test_zero_kv_blocks import INTERPRET
 
@@ -32,14 +33,12 @@ def test_launch_is_bounded_for_181_segments_and_10000_blocks():
     # program count; the work only sets how often programs loop.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _, views = _many_layer_views(device)
-    zeroer = KVZeroer([(views, 1)], backend="triton")
-    whole = np.stack([np.zeros(10_000), np.arange(10_000), np.zeros(10_000)], 1)
-    tails = np.stack([np.zeros(10_000), np.arange(10_000), np.ones(10_000)], 1)
-    for batch in (whole, tails):
-        launch = zeroer.prepare(batch.astype(np.int64))
+    zeroer = StepZeroer([(views, 1)], implementation="triton")
+    for first in (0, 1):  # whole blocks, then tails
+        staged = zeroer.stage_groups([0], [(b, first) for b in range(10_000)])
         # One unit per (block, layer page): each page fits one BLOCK chunk.
-        assert launch is not None and launch.units == 10_000 * 181
-        assert launch.units < L.MAX_UNITS
+        assert staged.units == 10_000 * 181
+        assert staged.units < MAX_UNITS
 
 
 @pytest.mark.gpu
@@ -54,21 +53,21 @@ def test_181_segments_10000_blocks_on_cuda():
 
 
 @pytest.mark.gpu
-def test_prepared_launch_replays_from_a_cuda_graph():
+def test_staged_launch_replays_from_a_cuda_graph():
     backing = make_backing(
         "LBHNC", num_layers=4, num_pages=16, heads=2, slots=16, content=64, dtype=torch.bfloat16
     )
     expected = backing.raw.clone()
     reference_zero_kv_blocks(rebase(backing.views, expected), [3], [(5, 7), (9, 1)])
     dev = to_device(backing, "cuda")
-    zeroer = KVZeroer([(dev.views, 1)])
+    zeroer = StepZeroer([(dev.views, 1)])
     zeroer.warmup()
-    launch = zeroer.prepare(np.array([[0, 3, 0], [0, 5, 7], [0, 9, 1]]))
-    assert launch is not None
+    staged = zeroer.stage_groups([0], [(3, 0), (5, 7), (9, 1)])
+    assert staged.has_work(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launch.launch()
+        staged.launch(0)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dev.raw.cpu(), expected)

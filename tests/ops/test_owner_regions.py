@@ -142,7 +142,7 @@ def test_fuzz_owner_map_regions_against_reference(backend, device, case, p, elem
         torch.as_strided(expected, ref.tensor.shape, ref.tensor.stride(), GUARD), n, ref.regions
     )
     reference_zero_kv_blocks([ref], blocks, tails, pages_per_block=p)
-    zeroer = KVZeroer([([cache], p)], backend=backend)
+    zeroer = KVZeroer([([cache], p)], implementation=backend)
     items = [(0, b, 0) for b in blocks] + [(0, b, v) for b, v in tails]
     zeroer.zero(np.array(items, dtype=np.int64).reshape(-1, 3))
     got = torch.empty(0, dtype=torch.int8, device=cache.tensor.device)
@@ -171,7 +171,7 @@ def test_amx_page_tails_against_reference(backend, device, p):
     reference_zero_kv_blocks(
         [RegionCache(ref_view, n, cache.regions)], [], tails, pages_per_block=p
     )
-    KVZeroer([([cache], p)], backend=backend).zero(np.array([(0, b, v) for b, v in tails]))
+    KVZeroer([([cache], p)], implementation=backend).zero(np.array([(0, b, v) for b, v in tails]))
     got = torch.empty(0, dtype=torch.int8, device=cache.tensor.device)
     got = got.set_(cache.tensor.untyped_storage()).cpu()
     assert torch.equal(got, expected)

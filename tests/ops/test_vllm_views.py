@@ -49,7 +49,7 @@ def check(raw, views, backend, device, pages_per_block, items):
             rebase(views, expected), (), [(b, v)], pages_per_block=pages_per_block
         )
     dev_raw = raw.to(device)
-    zeroer = KVZeroer([(rebase(views, dev_raw), pages_per_block)], backend=backend)
+    zeroer = KVZeroer([(rebase(views, dev_raw), pages_per_block)], implementation=backend)
     zeroer.zero(np.array(items, dtype=np.int64))
     assert torch.equal(dev_raw.cpu(), expected)
 

@@ -24,6 +24,7 @@ from kvtail_connector.ops import (
     indexer_cache,
     reference_zero_kv_blocks,
 )
+from kvtail_connector.ops._step_zeroer import StepZeroer
 from tests.helpers.layouts import DTYPES, LAYOUTS, make_backing, rebase, to_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -46,7 +47,7 @@ def run_case(backing, backend, device, block_ids, tails, pages_per_block):
     )
 
     on_dev = to_device(backing, device)
-    zeroer = KVZeroer([(on_dev.views, pages_per_block)], backend=backend)
+    zeroer = KVZeroer([(on_dev.views, pages_per_block)], implementation=backend)
     items = [(0, b, 0) for b in block_ids] + [(0, b, v) for b, v in tails]
     zeroer.zero(np.array(items, dtype=np.int64).reshape(-1, 3))
     got = on_dev.raw.cpu()
@@ -144,7 +145,7 @@ def test_nothing_to_zero_touches_nothing(backend, device):
     )
     before = backing.raw.clone()
     on_dev = to_device(backing, device)
-    zeroer = KVZeroer([(on_dev.views, 1)], backend=backend)
+    zeroer = KVZeroer([(on_dev.views, 1)], implementation=backend)
     assert zeroer.zero(np.zeros((0, 3), dtype=np.int64)) == 0
     assert zeroer.zero(np.array([[0, 1, 4]])) == 0  # a tail at P*N: no launch
     assert torch.equal(on_dev.raw.cpu(), before)
@@ -164,7 +165,7 @@ def test_aliased_layers_and_groups_sharing_a_tensor(backend, device):
     on_dev = to_device(backing, device)
     a, b = on_dev.views
     # Group 0 lists layer a twice (KV sharing); group 1 shares layer b with group 0.
-    zeroer = KVZeroer([([a, a, b], 1), ([b], 1)], backend=backend)
+    zeroer = KVZeroer([([a, a, b], 1), ([b], 1)], implementation=backend)
     assert zeroer.num_rows == 3  # a once and b in group 0, b again for group 1
     zeroer.zero(np.array([[0, 1, 2], [1, 3, 1]]))
 
@@ -184,7 +185,7 @@ def test_indexer_values_then_scales(backend, device, pages_per_block):
     raw = torch.randint(1, 255, (pages * n * 132 + 128,), dtype=torch.uint8, generator=gen)
     expected = raw.clone()
     view = torch.as_strided(raw.to(device), (pages, 1, n, 132), (n * 132, n * 132, 132, 1), 64)
-    zeroer = KVZeroer([([indexer_cache(view, 128, 4)], pages_per_block)], backend=backend)
+    zeroer = KVZeroer([([indexer_cache(view, 128, 4)], pages_per_block)], implementation=backend)
     tails = [(0, 3), (2, pages_per_block * n - 1)]
     zeroer.zero(np.array([(0, b, v) for b, v in tails] + [(0, 1, 0)]))
 
@@ -231,7 +232,7 @@ def test_several_groups_in_one_call(backend, device):
     )
     e0, e1 = g0.raw.clone(), g1.raw.clone()
     d0, d1 = to_device(g0, device), to_device(g1, device)
-    zeroer = KVZeroer([(d0.views, 2), (d1.views, 1)], backend=backend)
+    zeroer = KVZeroer([(d0.views, 2), (d1.views, 1)], implementation=backend)
     zeroer.zero(np.array([[0, 3, 5], [1, 2, 9], [0, 0, 0], [1, 0, 15]]))
 
     reference_zero_kv_blocks(rebase(g0.views, e0), [0], [(3, 5)], pages_per_block=2)
@@ -253,7 +254,7 @@ def test_staged_groups_zero_the_same_items_in_each_group(backend, device, same_g
     ref_views = rebase(backing.views, expected := backing.raw.clone())
     if not same_geometry:  # one layer seen with half its heads: other row counts
         views[1], ref_views[1] = views[1][:, :1], ref_views[1][:, :1]
-    zeroer = KVZeroer([([v], 1) for v in views], backend=backend)
+    zeroer = StepZeroer([([v], 1) for v in views], implementation=backend)
     items = [(3, 5), (1, 0), (6, 8), (2, 7)]  # first 8: nothing left in that block
     staged = zeroer.stage_groups([2, 0, 1], items)
     assert all(staged.has_work(k) for k in range(3))
@@ -376,7 +377,7 @@ def test_region_cache_outside_its_page_is_refused():
         indexer_cache(t, 6, 1)
 
 
-def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+def test_triton_implementation_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend: 'triton' needs CUDA caches"):
-        KVZeroer([(_small(), 1)], backend="triton")
+    with pytest.raises(ValueError, match="implementation: 'triton' needs CUDA caches"):
+        KVZeroer([(_small(), 1)], implementation="triton")

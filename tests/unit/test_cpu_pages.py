@@ -178,7 +178,7 @@ def check_tails(isa, dtype, kv_cache_dtype, d, write, backend):
     layer = _Layer(isa=isa, kv_cache_dtype=kv_cache_dtype, dtype=torch.bfloat16)
     sets = cache_sets(views, config, group_infos(config, 1), {name: layer for name in views})
     assert len(sets) == 1 and all(isinstance(c, RegionCache) for c in sets[0].caches)
-    zeroer = KVZeroer([(sets[0].caches, sets[0].pages_per_block)], backend=backend)
+    zeroer = KVZeroer([(sets[0].caches, sets[0].pages_per_block)], implementation=backend)
     zeroer.zero(np.array([(0, b, v) for b, v in items], dtype=np.int64))
     assert torch.equal(raw, expected), f"{int((raw != expected).sum())} bytes differ"
 

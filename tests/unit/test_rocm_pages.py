@@ -125,7 +125,7 @@ def test_rocm_attn_tails_match_pages_written_with_only_the_valid_slots(
     layer = _Layer(interleaved=interleaved)
     sets = cache_sets(views, config, group_infos(config, 1), {name: layer for name in views})
     assert all(isinstance(c, RegionCache) for c in sets[0].caches)
-    KVZeroer([(sets[0].caches, sets[0].pages_per_block)], backend=backend).zero(
+    KVZeroer([(sets[0].caches, sets[0].pages_per_block)], implementation=backend).zero(
         np.array([(0, b, v) for b, v in items], dtype=np.int64)
     )
     assert torch.equal(raw, expected), f"{int((raw != expected).sum())} bytes differ"

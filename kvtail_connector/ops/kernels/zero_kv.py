@@ -3,43 +3,60 @@
 import triton
 import triton.language as tl
 
-# Layout of the int64 work buffer and row table; built by ops/plan.py.
-HEADER: tl.constexpr = tl.constexpr(8)
-ITEM_COLS: tl.constexpr = tl.constexpr(4)
-ROW_COLS: tl.constexpr = tl.constexpr(9)
-
 
 @triton.jit
 def zero_kv_slots_kernel(
-    work_ptr,  # int64: HEADER words, then [n_whole + n_tail, ITEM_COLS] items
+    work_ptr,  # int64: HEADER_WORDS words, then [n_whole + n_tail, ITEM_COLS] items
     rows_ptr,  # int64 [n_rows, ROW_COLS]
     BLOCK: tl.constexpr,  # units (int32 words or bytes) one work unit stores
+    # Column offsets and widths of both tables: ops/work_schema.py, passed
+    # by the launcher (kernel_columns()).
+    HEADER_WORDS: tl.constexpr,
+    HEADER_N_WHOLE: tl.constexpr,
+    HEADER_ROWS_WHOLE: tl.constexpr,
+    HEADER_CHUNKS_WHOLE: tl.constexpr,
+    HEADER_N_TAIL: tl.constexpr,
+    HEADER_ROWS_TAIL: tl.constexpr,
+    HEADER_CHUNKS_TAIL: tl.constexpr,
+    ITEM_COLS: tl.constexpr,
+    ITEM_BLOCK: tl.constexpr,
+    ITEM_FIRST_SLOT: tl.constexpr,
+    ITEM_FIRST_ROW: tl.constexpr,
+    ITEM_ROW_COUNT: tl.constexpr,
+    ROW_COLS: tl.constexpr,
+    ROW_BASE: tl.constexpr,
+    ROW_BLOCK_STRIDE: tl.constexpr,
+    ROW_SLOT_STRIDE: tl.constexpr,
+    ROW_RUN: tl.constexpr,
+    ROW_N_SLOTS: tl.constexpr,
+    ROW_FIRST_SLOT: tl.constexpr,
+    ROW_UNIT: tl.constexpr,
+    ROW_VECTORIZED: tl.constexpr,
+    ROW_SLOT_STEP: tl.constexpr,
 ):
     """Zero slots ``[first_slot, ...)`` of manager blocks in every row.
 
-    Header: ``n_whole, rows_whole, chunks_whole, n_tail, rows_tail,
-    chunks_tail`` (then padding). Whole-block items come first, then tails.
-    Work unit ``w`` of a kind is (item fastest, then row, then chunk): the
-    kernel is persistent, each program striding over units, so the grid is a
-    fixed size (the same launch replays from a CUDA graph) and no program is
-    spent on rows or chunks an item does not have.
+    The header counts whole-block items (first slot 0, they come first) and
+    tails, with the most rows and chunks any item of each kind has. Work unit
+    ``w`` of a kind is (item fastest, then row, then chunk): the kernel is
+    persistent, each program striding over units, so the grid is a fixed
+    size (the same launch replays from a CUDA graph) and no program is spent
+    on rows or chunks an item does not have.
 
-    Item columns: block id, first slot to zero (block-local, across the
-    block's kernel pages), first row, row count. Row columns: base byte
-    address, block stride (bytes), slot stride (units), run (units), slots
-    the row serves, block-local slot of its first one, unit (4: int32
-    stores, 1: byte stores), a flag for rows that are 16-byte aligned with
-    runs of whole 16-byte vectors (then stores are 16 bytes wide), and the
-    slot step. The row serves slots ``row_first_slot + k * slot_step`` for
-    ``k < n_slots``; the k-th one, in block ``b``, starts at ``base + b *
-    block_stride + k * slot_stride * unit`` bytes.
+    An item names a block, its first slot to zero (block-local, across the
+    block's kernel pages) and a range of rows. A row serves slots
+    ``first_slot + k * slot_step`` for ``k < n_slots``; the k-th one, in block
+    ``b``, starts at ``base + b * block_stride + k * slot_stride * unit``
+    bytes and spans ``run`` units (4: int32 stores, 1: byte stores). Rows
+    flagged vectorized are 16-byte aligned with runs of whole 16-byte
+    vectors: their stores are 16 bytes wide.
     """
-    n_whole = tl.load(work_ptr + 0).to(tl.int32)
-    rows_whole = tl.load(work_ptr + 1).to(tl.int32)
-    chunks_whole = tl.load(work_ptr + 2).to(tl.int32)
-    n_tail = tl.load(work_ptr + 3).to(tl.int32)
-    rows_tail = tl.load(work_ptr + 4).to(tl.int32)
-    chunks_tail = tl.load(work_ptr + 5).to(tl.int32)
+    n_whole = tl.load(work_ptr + HEADER_N_WHOLE).to(tl.int32)
+    rows_whole = tl.load(work_ptr + HEADER_ROWS_WHOLE).to(tl.int32)
+    chunks_whole = tl.load(work_ptr + HEADER_CHUNKS_WHOLE).to(tl.int32)
+    n_tail = tl.load(work_ptr + HEADER_N_TAIL).to(tl.int32)
+    rows_tail = tl.load(work_ptr + HEADER_ROWS_TAIL).to(tl.int32)
+    chunks_tail = tl.load(work_ptr + HEADER_CHUNKS_TAIL).to(tl.int32)
     total_whole = n_whole * rows_whole * chunks_whole
     total = total_whole + n_tail * rows_tail * chunks_tail
     lanes = tl.arange(0, BLOCK)
@@ -52,21 +69,21 @@ def zero_kv_slots_kernel(
         rest = local // n
         r = rest % rows
         chunk = rest // rows
-        item_row = work_ptr + HEADER + item.to(tl.int64) * ITEM_COLS
-        row_count = tl.load(item_row + 3)
+        item_row = work_ptr + HEADER_WORDS + item.to(tl.int64) * ITEM_COLS
+        row_count = tl.load(item_row + ITEM_ROW_COUNT)
         if r < row_count:
-            block = tl.load(item_row + 0)
-            first = tl.load(item_row + 1)
-            row = rows_ptr + (tl.load(item_row + 2) + r) * ROW_COLS
-            base = tl.load(row + 0)
-            block_stride = tl.load(row + 1)
-            slot_stride = tl.load(row + 2)
-            run = tl.load(row + 3)
-            n_slots = tl.load(row + 4)
-            page_first = tl.load(row + 5)
-            unit = tl.load(row + 6)
-            vec = tl.load(row + 7)
-            step = tl.load(row + 8)
+            block = tl.load(item_row + ITEM_BLOCK)
+            first = tl.load(item_row + ITEM_FIRST_SLOT)
+            row = rows_ptr + (tl.load(item_row + ITEM_FIRST_ROW) + r) * ROW_COLS
+            base = tl.load(row + ROW_BASE)
+            block_stride = tl.load(row + ROW_BLOCK_STRIDE)
+            slot_stride = tl.load(row + ROW_SLOT_STRIDE)
+            run = tl.load(row + ROW_RUN)
+            n_slots = tl.load(row + ROW_N_SLOTS)
+            page_first = tl.load(row + ROW_FIRST_SLOT)
+            unit = tl.load(row + ROW_UNIT)
+            vec = tl.load(row + ROW_VECTORIZED)
+            step = tl.load(row + ROW_SLOT_STEP)
             # First served slot at or past `first` (operands >= 0: floor = trunc).
             lo = tl.minimum((tl.maximum(first - page_first, 0) + step - 1) // step, n_slots)
             span = (n_slots - lo) * run

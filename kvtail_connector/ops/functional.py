@@ -1,4 +1,4 @@
-"""The engine-agnostic entry points: :func:`zero_kv_blocks` and :func:`warmup`."""
+"""`zero_kv_blocks`: the functional form of :class:`KVZeroer` (one call, plans cached)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvtail_connector.ops import launcher as L
 from kvtail_connector.ops.geometry import RegionCache
 from kvtail_connector.ops.integers import as_int, int_rows
 from kvtail_connector.ops.zeroer import CacheLike, KVZeroer
@@ -23,24 +22,6 @@ _PLANS: OrderedDict[tuple, KVZeroer] = OrderedDict()
 _MAX_PLANS = 16
 
 
-def warmup(device: torch.device | str | None = None) -> None:
-    """Compile the zeroing kernel for ``device`` (default: the current CUDA device).
-
-    The kernel has no specialized integer argument and its buffers are always
-    fresh, 16-byte-aligned allocations, so this one compile covers every
-    launch. No-op without CUDA (or the Triton interpreter).
-    """
-    dev = torch.device(device) if device is not None else None
-    if dev is None:
-        if not torch.cuda.is_available():
-            return
-        dev = torch.device("cuda", torch.cuda.current_device())
-    if dev.type != "cuda" and not L.interpreting():
-        return
-    empty = torch.zeros(L.HEADER, dtype=torch.int64, device=dev)
-    L.launch_jit(1, empty, empty)
-
-
 def _tensor_of(cache: CacheLike) -> object:
     return cache.tensor if isinstance(cache, RegionCache) else cache
 
@@ -53,9 +34,9 @@ def _cache_key(cache: CacheLike) -> tuple:
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, *extra)
 
 
-def _backend_for(caches: Sequence[CacheLike]) -> str:
-    """The backend :func:`zero_kv_blocks` zeroes ``caches`` with: what
-    ``KVZeroer(backend="auto")`` picks (Triton on CUDA, torch elsewhere)."""
+def _implementation_for(caches: Sequence[CacheLike]) -> str:
+    """What :func:`zero_kv_blocks` zeroes ``caches`` with: what
+    ``KVZeroer(implementation="auto")`` picks (Triton on CUDA, torch elsewhere)."""
     for cache in caches:
         t = _tensor_of(cache)
         if isinstance(t, torch.Tensor):
@@ -67,16 +48,19 @@ def _plan(caches: Sequence[CacheLike], pages_per_block: int) -> KVZeroer:
     if isinstance(caches, (torch.Tensor, RegionCache)):
         raise ValueError("caches: expected a sequence of caches, got a single cache")
     caches = list(caches)
-    if _backend_for(caches) != "triton":
+    if _implementation_for(caches) != "triton":
         # The torch path zeroes through the tensors: a cached plan would hold
         # them, and building one costs little next to the work itself.
-        return KVZeroer([(caches, pages_per_block)], backend="torch")
+        return KVZeroer([(caches, pages_per_block)], implementation="torch")
     key = (pages_per_block, *map(_cache_key, caches))
     plan = _PLANS.get(key)
     if plan is None:
         # Ad-hoc calls: no CUDA graphs (they would pin buffers per cache set).
         plan = KVZeroer(
-            [(caches, pages_per_block)], backend="triton", use_graphs=False, hold_caches=False
+            [(caches, pages_per_block)],
+            implementation="triton",
+            use_graphs=False,
+            hold_caches=False,
         )
         _PLANS[key] = plan
         if len(_PLANS) > _MAX_PLANS:
