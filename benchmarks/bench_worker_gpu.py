@@ -40,6 +40,13 @@ from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 BLOCK_TOKENS = 16
 
 
+class _NoLoadErrors:
+    """The inner connector, as far as completion asks it: no failed blocks."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+
 def median_us(samples: list[float]) -> float:
     samples = sorted(samples)
     return samples[len(samples) // 2] * 1e6
@@ -79,6 +86,8 @@ def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = Fa
             read_tails_by_layer=read_tails_by_layer,
             hold_completions=False,
             probe=False,
+            vouch_tails=True,
+            producer_hook="wait_for_save",
         ),
         stats=KVTailStats(),
     )
@@ -87,12 +96,21 @@ def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = Fa
     return worker
 
 
-def records(n: int, num_blocks: int) -> tuple[LoadRecord, ...]:
+def records(n: int, num_blocks: int, *, vouched: bool = False) -> tuple[LoadRecord, ...]:
     out = []
     for i in range(n):
         loaded = 3 * BLOCK_TOKENS + 1 + i % (BLOCK_TOKENS - 1)
         blocks = tuple((4 * i + j) % num_blocks for j in range(4))
-        out.append(LoadRecord(f"r{i}", 0, loaded, (GroupLoad(0, 0, blocks),)))
+        out.append(LoadRecord(f"r{i}", 0, loaded, (GroupLoad(0, 0, blocks),), vouched=vouched))
+    return tuple(out)
+
+
+def producer_records(n: int, num_blocks: int) -> tuple[LoadRecord, ...]:
+    """What a producer's scheduler ships: each prompt's last block only."""
+    out = []
+    for i in range(n):
+        prompt = 3 * BLOCK_TOKENS + 1 + i % (BLOCK_TOKENS - 1)
+        out.append(LoadRecord(f"p{i}", 0, prompt, (GroupLoad(0, 3, ((4 * i + 3) % num_blocks,)),)))
     return tuple(out)
 
 
@@ -118,6 +136,7 @@ def read_tail_rows(reps: int) -> list[dict]:
     rows = []
     for n in (1, 16):
         meta = KVTailMetadata(inner=None, read_loads=records(n, num_blocks))  # type: ignore[arg-type]
+        trusted = KVTailMetadata(inner=None, read_loads=records(n, num_blocks, vouched=True))  # type: ignore[arg-type]
 
         def at_start(meta=meta):
             worker.bind(meta)
@@ -129,11 +148,37 @@ def read_tail_rows(reps: int) -> list[dict]:
             for name in names:
                 worker.layer_loaded(name)
 
-        for path, fn in (("at start", at_start), ("per layer", per_layer)):
+        def per_layer_vouched(meta=trusted):
+            per_layer(meta)
+
+        paths = (("at start", at_start), ("per layer", per_layer))
+        paths += (("per layer, vouched", per_layer_vouched),)
+        for path, fn in paths:
             fn()
             host = host_time(fn, reps)
             dev = sorted(device_us(fn) for _ in range(21))[10]
             rows.append(dict(path=path, layers=layers, reads=n, host_us=host, device_us=dev))
+    return rows
+
+
+def producer_rows(reps: int) -> list[dict]:
+    """A producer's added cost per step: bind its prompt-tail records, zero
+    them in the hook (one launch), build the worker metadata."""
+    layers, num_blocks = 80, 1024
+    worker = build_worker(layers, num_blocks)
+    rows = []
+    for n in (1, 16):
+        meta = KVTailMetadata(inner=None, producer_tails=producer_records(n, num_blocks))  # type: ignore[arg-type]
+
+        def step(meta=meta):
+            worker.bind(meta)
+            worker.zero_producer_tails()
+            worker.worker_meta(None)
+
+        step()
+        host = host_time(step, reps)
+        dev = sorted(device_us(step) for _ in range(21))[10]
+        rows.append(dict(prompts=n, layers=layers, host_us=host, device_us=dev))
     return rows
 
 
@@ -160,7 +205,7 @@ def main() -> int:
                 worker.bind(meta)
 
             def complete(finished=finished, worker=worker):
-                worker.on_transfer_results(finished, (), None)
+                worker.on_transfer_results(finished, (), _NoLoadErrors())
 
             us = host_time(complete, args.reps, before=bind if n else None)
             bind_us = host_time(
@@ -189,9 +234,23 @@ def main() -> int:
             f"| {r['path']} | {r['reads']} | {r['host_us']:.1f} | "
             f"{r['host_us'] / bare:.2f} | {r['device_us']:.1f} |"
         )
+    producer = producer_rows(max(args.reps // 3, 50))
+    print()
+    print("Producer: prompt tails zeroed in the step that completes them, 80 layers")
+    print("(host: bind + the hook + worker metadata; device: queued behind a sleep)")
+    print("| prompts completing | host µs | / bare launch | device µs |")
+    print("|---:|---:|---:|---:|")
+    for r in producer:
+        print(
+            f"| {r['prompts']} | {r['host_us']:.1f} | {r['host_us'] / bare:.2f} | "
+            f"{r['device_us']:.1f} |"
+        )
     if args.json:
         Path(args.json).write_text(
-            json.dumps(dict(bare_launch_us=bare, rows=rows, read_rows=read_rows), indent=1)
+            json.dumps(
+                dict(bare_launch_us=bare, rows=rows, read_rows=read_rows, producer=producer),
+                indent=1,
+            )
         )
     return 0
 

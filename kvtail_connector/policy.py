@@ -11,9 +11,10 @@ function is pure (no vLLM import), so every rule below is tested directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from kvtail_connector.config import KVTailConfig
+if TYPE_CHECKING:  # the worker side imports this module without pydantic (GPU benchmarks)
+    from kvtail_connector.config import KVTailConfig
 
 ProducerHook = Literal["finish_forward", "wait_for_save"]
 

@@ -4,6 +4,10 @@
     never reaches decoding - the decode engine's blocks hold no NaN, the output
     equals a single-engine run, and the wrapper's counters (read from the decode
     engine's Prometheus metrics) show the tail zeroed and what the probe saw.
+    Both sides run the wrapper, so P zeroes its tail and vouches for it; the NaN
+    is planted after that claim, and D's probe (the canary) catches it. Without
+    poison D trusts the claim and zeroes nothing. A plain P and a plain D each
+    interoperate with a wrapped other side.
 (b) The control: the same request through the plain NixlConnector delivers the
     NaN tail and breaks decoding, so (a) can fail.
 (c) MooncakeStore behind the wrapper on a uniform model: transparent (hits are
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvtail_connector import entry
 from kvtail_connector.demo.engine import start_engines
 from kvtail_connector.demo.pd import PDPair, PDResult, make_prompt, wrapped_kv_config
 from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
@@ -115,8 +120,10 @@ class TestNixl:
                 # exactly like one engine.
                 assert r.decode_nan == 0, r.decode_tail_nan_slots()
                 assert r.decode.token_ids == pairs.refs[n], n
-                # The wrapper zeroed the one tail, all of it, and its probe saw the NaN.
+                # P vouched for a clean tail before the NaN was planted: D's probe
+                # (the canary) caught the false claim, zeroed the one tail, all of it.
                 k = r.kvtail
+                assert k["false_vouches"] == 1 and k["vouched_tails"] == 0, k
                 assert k["tails_zeroed"] == 1, k
                 assert k["tail_bytes_zeroed"] == r.poisoned_slots * slot_bytes, k
                 assert k["probed_tails"] == 1, k
@@ -143,12 +150,34 @@ class TestNixl:
         assert r.kvtail["stale_nonfinite_values"] == planted, r.kvtail
 
     def test_wrapper_is_transparent_without_poison(self, pairs: NixlPairs) -> None:
+        # Both sides wrapped: P zeroes its tail and vouches; D zeroes nothing.
         pd = pairs.wrapped
         for prompt, tails in ((PARTIAL, 1), (FULL, 0)):
             r = pd.run(prompt, MAX_TOKENS)
             assert r.decode.token_ids == pairs.refs[len(prompt)], len(prompt)
-            assert r.kvtail["tails_zeroed"] == tails, (len(prompt), r.kvtail)
+            k = r.kvtail
+            assert (k["vouched_tails"], k["tails_zeroed"], k["tail_bytes_zeroed"]) == (tails, 0, 0)
+            assert k["false_vouches"] == 0 and k["vouches_declined"] == 0, k
             assert r.decode_nan == 0
+
+    def test_a_plain_side_interoperates_with_a_wrapped_one(self, pairs: NixlPairs) -> None:
+        """A wrapped P's entry is ignored by a plain vLLM D; a plain P sends none,
+        and a wrapped D then zeroes the tail itself."""
+        for p_pair, d_pair, wrapped_p in (
+            (pairs.wrapped, pairs.plain, True),
+            (pairs.plain, pairs.wrapped, False),
+        ):
+            assert p_pair.prefill is not None and d_pair.decode is not None
+            pre = p_pair.prefill.generate([PARTIAL], 1, [{"do_remote_decode": True}])[0]
+            params = dict(pre.kv_transfer_params or {})
+            assert (entry.KEY in params) is wrapped_p, params
+            before = d_pair.decode.kvtail_counters()
+            decode_params = {**params, "do_remote_prefill": True, "do_remote_decode": False}
+            dec = d_pair.decode.generate([PARTIAL], MAX_TOKENS, [decode_params])[0]
+            assert dec.token_ids == pairs.refs[len(PARTIAL)], wrapped_p
+            if not wrapped_p:
+                after = d_pair.decode.kvtail_counters()
+                assert after["tails_zeroed"] - before.get("tails_zeroed", 0) == 1
 
     def test_plain_connector_delivers_the_nan_tail(self, pairs: NixlPairs) -> None:
         """The control: without the wrapper the same request breaks."""

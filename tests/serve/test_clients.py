@@ -78,19 +78,28 @@ def test_concurrent_clients_equal_the_single_engine(servers: Servers, bs: int) -
     assert mismatches(plain, refs) == []
 
     d = servers.wrapped.decode
-    before = kvtail(d)
+    before, p_before = kvtail(d), kvtail(servers.wrapped.prefill)
     wrapped = _through(servers.wrapped, prompts)
     assert mismatches(wrapped, refs) == []
+    # Both servers run the wrapper: P zeroed every mid-block tail and vouched for
+    # it, the entry crossed the example proxy, and D zeroed nothing (its probe
+    # checked each vouched tail: all zero).
     want = {
-        "tails_zeroed": len(mid),
+        "tails_vouched": 0,  # counted on P
+        "vouched_tails": len(mid),
+        "vouched_tail_bytes": expected_tail_bytes(prompts, bs, slot_bytes(d)),
+        "tails_zeroed": 0,
+        "tail_bytes_zeroed": 0,
         "probed_tails": len(mid),
-        "tail_bytes_zeroed": expected_tail_bytes(prompts, bs, slot_bytes(d)),
+        "false_vouches": 0,
         "failed_loads": 0,
         "stale_nonfinite_values": 0,
     }
     got = wait_counts(d, before, want)
     assert got["held_requests"] == 0, got
     assert d.nan_census() == {}
+    p_got = wait_counts(servers.wrapped.prefill, p_before, {"tails_vouched": len(prompts)})
+    assert p_got["producer_tail_bytes_zeroed"] == expected_tail_bytes(prompts, bs, slot_bytes(d))
 
 
 def _poisoned(pair: ServePair, prompts: list[Prompt], bs: int):
@@ -128,9 +137,13 @@ def test_planted_nan_tail_breaks_the_plain_pair_not_the_wrapped_one(
     assert all(hook.planted), hook.planted
     assert census == [{}] * len(prompts)
     assert mismatches(wrapped, refs) == []
+    # The NaN was planted after P vouched for a clean tail: D's probe (the
+    # canary) finds it, zeroes it and counts a false vouch per request.
     want = {
         "tails_zeroed": len(prompts),
         "probed_tails": len(prompts),
+        "false_vouches": len(prompts),
+        "vouched_tails": 0,
         "stale_nonfinite_values": sum(hook.planted) * elements_per_slot(d),
         "tail_bytes_zeroed": expected_tail_bytes(prompts, bs, slot_bytes(d)),
         "failed_loads": 0,
