@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -84,9 +85,12 @@ SCHEDULER_HOOKS = (
 
 def _setup_path() -> None:
     # `python benchmarks/bench_host.py` puts benchmarks/ first on sys.path;
-    # the factories live in tests/helpers.
+    # the factories live in tests/helpers. They build models locally: the hub is
+    # switched off before vLLM or huggingface_hub read the environment.
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:

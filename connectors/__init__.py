@@ -1,4 +1,4 @@
-"""Per-backend adapters: what differs between the inner connectors we wrap.
+"""Per-inner-connector adapters: what differs between the connectors we wrap.
 
 Adapters are chosen by the inner connector class's ancestry (class names, so
 that no optional transport is imported just to choose).
@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import BackendAdapter
+from .base import InnerAdapter
 from .mooncake_store import MooncakeStoreAdapter
 from .moriio import MoRIIOAdapter
 from .multi import MultiConnectorAdapter
 from .nixl import NixlAdapter
 
-_BY_CLASS_NAME: dict[str, type[BackendAdapter]] = {
+_BY_CLASS_NAME: dict[str, type[InnerAdapter]] = {
     "NixlBaseConnector": NixlAdapter,
     "NixlConnector": NixlAdapter,
     "MooncakeStoreConnector": MooncakeStoreAdapter,
@@ -29,8 +29,8 @@ EXTRAS = {"Nixl": "nixl", "Mooncake": "mooncake", "MoRIIO": "moriio"}
 def adapter_for(
     inner_cls: type,
     inner_extra_config: dict[str, Any],
-    children: Sequence[tuple[str, BackendAdapter]] = (),
-) -> BackendAdapter:
+    children: Sequence[tuple[str, InnerAdapter]] = (),
+) -> InnerAdapter:
     """The adapter for ``inner_cls``. A MultiConnector gets its children's
     adapters (``(label, adapter)`` in ``connectors`` order), applied per child."""
     if any(klass.__name__ == "MultiConnector" for klass in inner_cls.__mro__):
@@ -39,7 +39,7 @@ def adapter_for(
         adapter = _BY_CLASS_NAME.get(klass.__name__)
         if adapter is not None:
             return adapter(inner_extra_config)
-    return BackendAdapter(inner_extra_config)
+    return InnerAdapter(inner_extra_config)
 
 
 def extra_for(backend_name: str) -> str | None:
@@ -49,4 +49,4 @@ def extra_for(backend_name: str) -> str | None:
     return None
 
 
-__all__ = ["BackendAdapter", "MultiConnectorAdapter", "adapter_for", "extra_for"]
+__all__ = ["InnerAdapter", "MultiConnectorAdapter", "adapter_for", "extra_for"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.connectors import BackendAdapter
+from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
@@ -40,7 +40,7 @@ class TailScheduler:
         groups: tuple[GroupInfo, ...],
         policy: TailPolicy,
         *,
-        adapter: BackendAdapter,
+        adapter: InnerAdapter,
         stats: KVTailStats,
     ) -> None:
         self._inner = inner

@@ -91,14 +91,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
-# Set before vLLM (and huggingface_hub) read them; a local config dir never needs
-# the hub anyway, this only guards against an accidental lookup.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -108,24 +103,24 @@ from vllm.config import (  # noqa: E402
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -133,9 +128,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     MLAAttentionSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 # Tiny Llama geometry. 1 KV head and 16 query heads: GQA-DCP validation wants
 # TP > num_kv_heads, DCP <= TP // num_kv_heads and q_per_kv % DCP == 0, so this

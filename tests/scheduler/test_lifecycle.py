@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.v1.request import RequestStatus
 
-pytest.importorskip("vllm")
-
-from vllm.v1.request import RequestStatus  # noqa: E402
-
-from kvtail_connector import dcp_local_valid_slots  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
-from tests.helpers import async_double  # noqa: E402
-from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector import dcp_local_valid_slots
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.worker import RankPlacement, TailWorker
+from tests.helpers import async_double
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state
+from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
@@ -31,9 +28,7 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
 )
-from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
 
 def test_tail_shipped_once_and_zeroed_at_completion():

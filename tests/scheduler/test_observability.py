@@ -6,24 +6,18 @@ import logging
 
 import msgspec
 import numpy as np
-import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-pytest.importorskip("vllm")
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.log import PARENT  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.log import PARENT
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path
+from kvtail_connector.worker import RankPlacement, TailWorker
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
 
 def registry_metric_types(registry):

@@ -1,4 +1,5 @@
-"""Resolve and build the inner connector the way MultiConnector builds a child.
+"""The inner connector (``kv_connector_extra_config.backend``): resolved,
+validated and built the way MultiConnector builds a child.
 
 The inner connector gets the wrapper's ``kv_transfer_config`` with
 ``kv_connector``, ``kv_connector_module_path`` and
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvtail_connector import _compat
 from kvtail_connector.config import PREFIX, KVTailConfig
-from kvtail_connector.connectors import BackendAdapter, adapter_for, extra_for
+from kvtail_connector.connectors import InnerAdapter, adapter_for, extra_for
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -222,7 +223,7 @@ def children_of(cls: type, transfer_config: Any) -> tuple[Child, ...]:
     return tuple(children)
 
 
-def build_adapter(cls: type, transfer_config: Any, children: tuple[Child, ...]) -> BackendAdapter:
+def build_adapter(cls: type, transfer_config: Any, children: tuple[Child, ...]) -> InnerAdapter:
     """The adapter of ``cls``; a MultiConnector gets its children's, one per index."""
     return adapter_for(
         cls,

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("msgpack", reason="MoRIIOConnector's scheduler side imports msgpack")
-
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector.metadata import KVTailMetadata
+from tests.helpers.vllm_factories import (
     make_request,
     make_scheduler,
     make_vllm_config,
 )
-from tests.scheduler.test_moriio_read import (  # noqa: E402
+from tests.scheduler.moriio.test_moriio_read import (
     LOCAL_BLOCKS,
     OTHER_TOKENS,
     READ_TOKENS,
@@ -29,8 +26,6 @@ from tests.scheduler.test_moriio_read import (  # noqa: E402
     _moriio_extra,
     _peer_params,
 )
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
 
 @pytest.fixture

@@ -10,22 +10,17 @@ import dataclasses
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
 
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from tests.helpers import recording  # noqa: E402
-from tests.helpers.recording import SENTINEL, RecordingConnector, RecordingMetadata  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.stats import KVTailStats
+from tests.helpers import recording
+from tests.helpers.recording import SENTINEL, RecordingConnector, RecordingMetadata
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 EXTRA = {
     "backend": "RecordingConnector",

@@ -15,41 +15,36 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from prometheus_client import CollectorRegistry  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import (  # noqa: E402
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import (
     MooncakeStoreConnectorStats,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
 )
-from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
-from vllm.v1.metrics.stats import SchedulerStats  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from kvtail_connector import plugin  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.connectors import BackendAdapter  # noqa: E402
-from kvtail_connector.connectors.moriio import MoRIIOAdapter  # noqa: E402
-from kvtail_connector.connectors.nixl import NixlAdapter  # noqa: E402
-from kvtail_connector.stats import KVTailStats, connector_path  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.unit.test_observability import registry_metric_types  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import plugin
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.connectors.moriio import MoRIIOAdapter
+from kvtail_connector.connectors.nixl import NixlAdapter
+from kvtail_connector.stats import KVTailStats, connector_path
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.scheduler.test_observability import registry_metric_types
 
 CHILDREN = "kv_connector_extra_config.backend_extra_config.connectors"
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
@@ -151,7 +146,7 @@ def test_children_are_built_with_their_own_adapters():
 def test_a_generic_child_keeps_the_generic_adapter():
     wrapper = start(multi_backend([MOONCAKE]))
     ((label, child),) = wrapper._scheduler._adapter.children
-    assert type(child) is not NixlAdapter and isinstance(child, BackendAdapter)
+    assert type(child) is not NixlAdapter and isinstance(child, InnerAdapter)
     assert label == f"{CHILDREN}[0] (MooncakeStoreConnector)"
     assert not wrapper._scheduler._adapter.sync_read
 

@@ -10,17 +10,12 @@ import sys
 import textwrap
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
-from kvtail_connector import plugin  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import plugin
+from kvtail_connector.connector import KVTailConnector
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 BACKEND = "kv_connector_extra_config.backend"
 MODULE_PATH = "kv_connector_extra_config.backend_module_path"

@@ -8,20 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-pytest.importorskip("vllm")
-
-import vllm  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
 
-from tests.helpers import async_double  # noqa: E402
-from tests.helpers.async_double import AsyncLoadDouble  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from tests.helpers import async_double
+from tests.helpers.async_double import AsyncLoadDouble
+from tests.helpers.vllm_factories import (
     assert_scheduler_empty,
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
@@ -34,8 +30,6 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     manager_block_sizes,
     run_step,
 )
-
-pytestmark = pytest.mark.vllm
 
 BLOCK = 16
 
