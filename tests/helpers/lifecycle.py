@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
 from tests.helpers import async_double
@@ -42,9 +43,7 @@ class Harness:
         }
         kw.setdefault("kv_load_failure_policy", "recompute")
         self.vllm_config = make_vllm_config(
-            kv_connector="KVTailConnector",
-            kv_connector_module_path="kvtail_connector",
-            kv_connector_extra_config=extra,
+            **wrapper_fields(extra),
             **kw,
         )
         self.scheduler = make_scheduler(self.vllm_config, kv_cache_config)

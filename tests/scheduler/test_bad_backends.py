@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector import plugin
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 BACKEND = "kv_connector_extra_config.backend"
@@ -70,9 +71,7 @@ def registry(monkeypatch):
 def start(extra: dict) -> KVTailConnector:
     return KVTailConnector(
         make_vllm_config(
-            kv_connector="KVTailConnector",
-            kv_connector_module_path="kvtail_connector",
-            kv_connector_extra_config=extra,
+            **wrapper_fields(extra),
         ),
         KVConnectorRole.SCHEDULER,
         make_kv_cache_config(block_size=16, num_blocks=8),

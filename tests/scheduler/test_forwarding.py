@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
 from tests.helpers import recording
@@ -32,9 +33,7 @@ EXTRA = {
 
 def build(role: KVConnectorRole) -> tuple[KVTailConnector, RecordingConnector, Any]:
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config=EXTRA,
+        **wrapper_fields(EXTRA),
         kv_role="kv_both",
     )
     kv = make_kv_cache_config(block_size=16, num_blocks=8)

@@ -15,6 +15,7 @@ import torch
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import dcp_local_valid_slots
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.worker import RankPlacement, TailWorker
@@ -125,13 +126,13 @@ def test_hybrid_attention_group_only_with_its_coarser_block():
 def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
     kv = make_kv_cache_config(block_size=1536, num_blocks=8)
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={
-            "backend": "AsyncLoadDouble",
-            "backend_module_path": async_double.MODULE_PATH,
-            "zero_tails": "always",
-        },
+        **wrapper_fields(
+            {
+                "backend": "AsyncLoadDouble",
+                "backend_module_path": async_double.MODULE_PATH,
+                "zero_tails": "always",
+            }
+        ),
         block_size=1536,
         dcp_size=8,
         max_model_len=40_000,

@@ -42,6 +42,7 @@ from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.connectors.moriio import MoRIIOAdapter
 from kvtail_connector.connectors.nixl import NixlAdapter
+from kvtail_connector.inner_connector import wrap_kv_transfer_config, wrapper_fields
 from kvtail_connector.stats import KVTailStats, connector_path
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 from tests.scheduler.test_observability import registry_metric_types
@@ -53,13 +54,13 @@ MOONCAKE = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 
 def multi_backend(children: list[dict[str, Any]], **kw: Any) -> Any:
     return make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields(
+            {
+                "backend": "MultiConnector",
+                "backend_extra_config": {"connectors": children},
+            }
+        ),
         kv_role="kv_both",
-        kv_connector_extra_config={
-            "backend": "MultiConnector",
-            "backend_extra_config": {"connectors": children},
-        },
         **kw,
     )
 
@@ -188,10 +189,8 @@ def test_bad_children_are_named(children, fragment):
     plugin.register()  # KVTailConnector is a registered name in every vLLM process
     extra: dict[str, Any] = {} if children is None else {"connectors": children}
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields({"backend": "MultiConnector", "backend_extra_config": extra}),
         kv_role="kv_both",
-        kv_connector_extra_config={"backend": "MultiConnector", "backend_extra_config": extra},
     )
     with pytest.raises(ValueError) as info:
         start(vllm_config)
@@ -255,15 +254,7 @@ def test_inner_stats_alone_are_logged_with_kvtail_counters_at_zero():
 
 def test_two_wrapped_children_keep_their_inner_stats_apart():
     plugin.register()  # the front end rebuilds children by registered name
-    wrapped = [
-        {
-            "kv_connector": "KVTailConnector",
-            "kv_connector_module_path": "kvtail_connector",
-            "kv_role": child["kv_role"],
-            "kv_connector_extra_config": {"backend": child["kv_connector"]},
-        }
-        for child in (NIXL, MOONCAKE)
-    ]
+    wrapped = [wrap_kv_transfer_config(child) for child in (NIXL, MOONCAKE)]
     vllm_config = make_vllm_config(
         kv_connector="MultiConnector",
         kv_role="kv_both",

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import PARENT
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
@@ -50,9 +51,7 @@ def test_stats_round_trip_msgspec_and_aggregate():
 def test_prometheus_counters_register_with_vllm_labels_and_observe():
     registry = CollectorRegistry()
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     labelnames = ["model_name", "engine"]
     prom = KVTailConnector.build_prom_metrics(
@@ -132,9 +131,7 @@ def test_probe_off_counts_nothing():
 
 def test_scheduler_side_stats_are_reported_by_the_scheduler_connector():
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     wrapper = KVTailConnector(
         vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(block_size=16, num_blocks=8)
@@ -151,9 +148,7 @@ def _logged_lines(payloads: list[dict]) -> list[str]:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     log = KVConnectorLogging(vllm_config.kv_transfer_config)
     for payload in payloads:
@@ -186,9 +181,7 @@ def test_a_gauge_only_report_reaches_prometheus_but_not_the_log_line():
     assert _logged_lines([snapshot.to_dict()]) == []
     registry = CollectorRegistry()
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     prom = KVTailConnector.build_prom_metrics(
         vllm_config, registry_metric_types(registry), ["engine"], {0: ["0"]}

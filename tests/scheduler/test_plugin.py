@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from kvtail_connector import _compat, plugin
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.log import PARENT
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,
@@ -104,9 +105,7 @@ def test_plain_engine_args_survive_an_unsupported_vllm(
 
 def test_the_connector_refuses_an_unsupported_vllm_with_one_message(monkeypatch):
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     ktc = vllm_config.kv_transfer_config
     monkeypatch.setattr(vllm, "__version__", "0.34.0")

@@ -40,6 +40,7 @@ import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import COUNTERS
 from tests.helpers.vllm_factories import (
@@ -104,14 +105,14 @@ class Run:
         inner_extra = _moriio_extra(read)
         if wrapped:
             vllm_config = make_vllm_config(
-                kv_connector="KVTailConnector",
-                kv_connector_module_path="kvtail_connector",
+                **wrapper_fields(
+                    {
+                        "backend": "MoRIIOConnector",
+                        "backend_extra_config": inner_extra,
+                        "zero_tails": zero_tails,
+                    }
+                ),
                 kv_role=kv_role,
-                kv_connector_extra_config={
-                    "backend": "MoRIIOConnector",
-                    "backend_extra_config": inner_extra,
-                    "zero_tails": zero_tails,
-                },
                 **config_kwargs,
             )
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from tests.helpers.vllm_factories import (
     make_request,
@@ -39,13 +40,13 @@ def scheduler():
         {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
     ]
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields(
+            {
+                "backend": "MultiConnector",
+                "backend_extra_config": {"connectors": children},
+            }
+        ),
         kv_role="kv_consumer",
-        kv_connector_extra_config={
-            "backend": "MultiConnector",
-            "backend_extra_config": {"connectors": children},
-        },
     )
     sched = make_scheduler(vllm_config, _mixed())
     yield sched
