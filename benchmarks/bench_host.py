@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -84,9 +85,12 @@ SCHEDULER_HOOKS = (
 
 def _setup_path() -> None:
     # `python benchmarks/bench_host.py` puts benchmarks/ first on sys.path;
-    # the factories live in tests/helpers.
+    # the factories live in tests/helpers. They build models locally: the hub is
+    # switched off before vLLM or huggingface_hub read the environment.
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
@@ -103,6 +107,7 @@ def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
 
 def _configs(num_blocks: int) -> tuple[Any, Any]:
     """(wrapper, bare) ``VllmConfig`` s, identical but for the connector."""
+    from kvtail_connector.inner_connector import wrapper_fields
     from tests.helpers import async_double
     from tests.helpers.vllm_factories import make_vllm_config
 
@@ -115,13 +120,13 @@ def _configs(num_blocks: int) -> tuple[Any, Any]:
         "max_model_len": 32768,
     }
     wrapper = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={
-            "backend": async_double.CONNECTOR_NAME,
-            "backend_module_path": async_double.MODULE_PATH,
-            "zero_tails": "always",
-        },
+        **wrapper_fields(
+            {
+                "backend": async_double.CONNECTOR_NAME,
+                "backend_module_path": async_double.MODULE_PATH,
+                "zero_tails": "always",
+            }
+        ),
         **common,
     )
     bare = make_vllm_config(

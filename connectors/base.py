@@ -1,4 +1,5 @@
-"""The adapter interface: what the wrapper does differently per inner connector."""
+"""The adapter interface: what the wrapper does differently per inner connector
+(the connector named by ``kv_connector_extra_config.backend``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 
-class BackendAdapter:
+class InnerAdapter:
     """Defaults for a connector that needs nothing special (any async loader)."""
 
     def __init__(self, inner_extra_config: dict[str, Any]) -> None:

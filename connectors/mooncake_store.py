@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import BackendAdapter
+from .base import InnerAdapter
 
 
-class MooncakeStoreAdapter(BackendAdapter):
+class MooncakeStoreAdapter(InnerAdapter):
     """Store hits fill only the hit length of the last block (a multiple of
     ``prefix_match_unit``); the rest of it keeps its previous owner's bytes.
     Nothing about it is name-keyed in vLLM, so there is nothing to re-check."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .base import BackendAdapter
+from .base import InnerAdapter
 
 
-class MoRIIOAdapter(BackendAdapter):
+class MoRIIOAdapter(InnerAdapter):
     """In READ mode the load is synchronous, so vLLM records its destination
     blocks for zeroing; the zeroing kernel can run after the RDMA READ landed.
     The wrapper drops READ destinations from ``new_block_ids_to_zero``."""

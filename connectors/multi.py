@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .base import BackendAdapter
+from .base import InnerAdapter
 
 
-class MultiConnectorAdapter(BackendAdapter):
+class MultiConnectorAdapter(InnerAdapter):
     """The children's adapters, by index in ``connectors``.
 
     Args:
@@ -26,7 +26,7 @@ class MultiConnectorAdapter(BackendAdapter):
     """
 
     def __init__(
-        self, inner_extra_config: dict[str, Any], children: Sequence[tuple[str, BackendAdapter]]
+        self, inner_extra_config: dict[str, Any], children: Sequence[tuple[str, InnerAdapter]]
     ) -> None:
         super().__init__(inner_extra_config)
         self.children = tuple(children)

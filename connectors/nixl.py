@@ -6,10 +6,10 @@ from typing import Any
 
 from kvtail_connector import _compat
 
-from .base import BackendAdapter
+from .base import InnerAdapter
 
 
-class NixlAdapter(BackendAdapter):
+class NixlAdapter(InnerAdapter):
     """NIXL copies whole blocks, producer tail included; vLLM's own NIXL
     post-processing zeroes only what a transfer clipped (heterogeneous block
     sizes), so the wrapper still zeroes from the loaded count on."""

@@ -1,6 +1,41 @@
 """Every difference between the supported vLLM releases (0.32, 0.33), and nothing else.
 
 Other modules ask this one; none of them compares versions itself.
+
+Differences between 0.32.0 and 0.33.0 that need no bridge here (the package
+reads none of them; found while writing the scheduler tests, which run on both):
+
+- ``Scheduler``: 0.33 adds ``deferred_loads`` (async loads whose
+  ``update_state_after_alloc`` waits for ``_drain_deferred_loads`` in
+  ``update_from_output``; only with ``defer_async_loads``, i.e. HiSparse with
+  ``defer_block_free``; ``finish_requests`` frees a deferred load at once),
+  ``_pending_encoder_input_ids`` and ``has_request()``;
+  ``grammar_compile_error_reqs`` goes from ``set[str]`` to
+  ``dict[str, RequestError]``; a waiting request left with 0 schedulable
+  tokens (encoder budget, MTP lookahead) is requeued and the scan goes on
+  (0.32 stops the scan).
+- ``BlockPool`` skips the null block in its free/touch loops (0.32 filters
+  ``not block.is_null`` inside them); ``get_blocks``/``get_block_ids`` trim
+  leading null blocks (``trim_null_head``, sliding-window prefixes).
+- ``MambaManager`` asserts ``mamba_cache_mode == "align"`` with prefix
+  caching (0.32 accepts ``"none"``).
+- Hash lookahead: ``num_hash_lookahead_tokens`` on
+  ``get_request_block_hasher``, ``KVCacheManager``, ``BlockPool`` and
+  ``VllmConfig``; ``get_computed_blocks(..., max_cache_hit_length=None)``.
+  The defaults keep 0.32's behaviour.
+- ``kv_cache_interface``: ``AttentionSpec.is_draft`` (kw-only,
+  ``compare=False``), ``MLAAttentionSpec.topk_buffer_width``, new
+  ``KVQuantMode`` members (``OCTAVE_*``, ``CUSTOM``).
+- ``AsyncModelRunnerOutput`` gains an abstract ``get_kv_connector_output()``.
+- ``CpuPlatform`` picks its default block size in
+  ``update_block_size_for_backend`` (0.32: ``check_and_update_config``); both
+  keep an explicit block size, except for MLA models where torch reports no
+  AMX tiles (forced to 16).
+
+The same in both: ``Scheduler.__init__``, ``Request``, ``KVCacheConfig``,
+``KVConnectorFactory``, ``resolve_kv_cache_block_sizes`` and the worker's call
+order (``KVConnectorModelRunnerMixin._get_kv_connector_output``). The
+sleep-mode hooks of ``KVConnectorBase_V1`` (0.33) are bridged below.
 """
 
 from __future__ import annotations

@@ -38,9 +38,14 @@ class KVTailConfig(BaseModel):
     """The wrapper's settings (``kv_transfer_config.kv_connector_extra_config``).
 
     Attributes:
-        backend: the inner connector: a name registered with vLLM's
-            ``KVConnectorFactory`` or, with ``backend_module_path``, a class
-            name in that module.
+        backend: the inner connector, the one the wrapper wraps (NIXL,
+            MooncakeStore, MoRIIO, MultiConnector...): a name registered with
+            vLLM's ``KVConnectorFactory`` or, with ``backend_module_path``, a
+            class name in that module. The field keeps its public name; the
+            code calls this connector "inner" (``inner_connector`` resolves
+            it, ``connectors.InnerAdapter`` says what differs per class). It
+            has nothing to do with the attention backend or the zeroer's
+            kernel backend.
         backend_module_path: module defining ``backend`` (out-of-tree).
         backend_extra_config: the inner connector's
             ``kv_connector_extra_config``, passed through untouched.

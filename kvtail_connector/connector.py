@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, backend, entry
+from kvtail_connector import _compat, entry, inner_connector
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
@@ -53,8 +53,8 @@ def _parse(kv_transfer_config: Any) -> KVTailConfig:
 
 def _inner_class(kv_transfer_config: Any) -> tuple[type[KVConnectorBase_V1], Any, KVTailConfig]:
     cfg = _parse(kv_transfer_config)
-    inner_ktc = backend.inner_transfer_config(kv_transfer_config, cfg)
-    return backend.resolve_backend_class(cfg, inner_ktc), inner_ktc, cfg
+    inner_ktc = inner_connector.inner_transfer_config(kv_transfer_config, cfg)
+    return inner_connector.resolve_backend_class(cfg, inner_ktc), inner_ktc, cfg
 
 
 def _vouch_summary(policy: Any) -> str:
@@ -83,14 +83,16 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert vllm_config.kv_transfer_config is not None, "checked by the base class"
         inner_cls, inner_ktc, cfg = _inner_class(vllm_config.kv_transfer_config)
         self._cfg = cfg
-        inner_config = backend.inner_vllm_config(vllm_config, cfg)
+        inner_config = inner_connector.inner_vllm_config(vllm_config, cfg)
         # A MultiConnector backend: each child gets its own adapter, at its index.
-        children = backend.children_of(inner_cls, inner_ktc)
-        adapter = backend.build_adapter(inner_cls, inner_ktc, children)
+        children = inner_connector.children_of(inner_cls, inner_ktc)
+        adapter = inner_connector.build_adapter(inner_cls, inner_ktc, children)
         adapter.validate(vllm_config, cfg.backend)
         self._inner_hma = supports_hma(inner_cls)
         if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            blocker = backend.hma_blocker(f"{backend.BACKEND} ({cfg.backend})", inner_ktc, children)
+            blocker = inner_connector.hma_blocker(
+                f"{inner_connector.BACKEND} ({cfg.backend})", inner_ktc, children
+            )
             if blocker is not None:
                 raise ValueError(
                     f"{blocker}: does not support the hybrid KV cache manager (HMA), which is "
@@ -98,7 +100,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                     "it, and the top level here is KVTailConnector: pass "
                     "--disable-hybrid-kv-cache-manager."
                 )
-        self._inner: KVConnectorBase_V1 = backend.build_inner(
+        self._inner: KVConnectorBase_V1 = inner_connector.build_inner(
             inner_cls, inner_config, role, kv_cache_config, cfg
         )
 
@@ -410,7 +412,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         _compat.check_vllm_version()  # asked before the connector is built
         assert vllm_config.kv_transfer_config is not None
         inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
-        return inner_cls.get_required_kvcache_layout(backend.inner_vllm_config(vllm_config, cfg))
+        return inner_cls.get_required_kvcache_layout(
+            inner_connector.inner_vllm_config(vllm_config, cfg)
+        )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -425,7 +429,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             kv_connector_module_path=cfg.backend_module_path,
             kv_connector_extra_config=dict(cfg.backend_extra_config),
         )
-        inner_cls = backend.resolve_backend_class(cfg, ktc)
+        inner_cls = inner_connector.resolve_backend_class(cfg, ktc)
         return bool(inner_cls.requires_piecewise_for_cudagraph(dict(cfg.backend_extra_config)))
 
     @classmethod
@@ -452,7 +456,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert vllm_config.kv_transfer_config is not None
         inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
         inner = inner_cls.build_prom_metrics(
-            backend.inner_vllm_config(vllm_config, cfg),
+            inner_connector.inner_vllm_config(vllm_config, cfg),
             metric_types,
             labelnames,
             per_engine_labelvalues,

@@ -6,6 +6,7 @@ receive these plain values instead of re-reading vLLM's config.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,22 @@ class GroupInfo:
         return self.block_size * self.dcp_size
 
 
-def _layer_specs(spec: Any) -> list[Any]:
-    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    return list(inner.values()) if inner else [spec]
+def _per_layer(group_spec: Any) -> Mapping[str, Any] | None:
+    """The layers' own specs where one group spec holds several
+    (``UniformTypeKVCacheSpecs.kv_cache_specs``); None where every layer of
+    the group has ``group_spec`` itself."""
+    return getattr(group_spec, "kv_cache_specs", None) or None
+
+
+def _layer_specs(group_spec: Any) -> list[Any]:
+    per_layer = _per_layer(group_spec)
+    return list(per_layer.values()) if per_layer else [group_spec]
+
+
+def layer_spec(group_spec: Any, layer: str) -> Any:
+    """The spec of ``layer``, one of the group's ``layer_names``."""
+    per_layer = _per_layer(group_spec)
+    return per_layer[layer] if per_layer else group_spec
 
 
 def group_infos(kv_cache_config: Any, dcp_world_size: int) -> tuple[GroupInfo, ...]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtail_connector.layout import CacheSet
+from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.ops.geometry import describe_cache
 from kvtail_connector.ops.torch_path import expand_slots, region_tail_bytes

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtail_connector.layout import CacheSet, cache_slot_bytes, cache_slots
+from kvtail_connector.cache_sets import CacheSet, TailBytes
 from kvtail_connector.ops._step_zeroer import StagedGroups, StepZeroer
 
 
@@ -67,8 +67,7 @@ class ReadTailsByLayer:
             i += len(s.caches)
         self._names = [ls.layer_names[0] for ls in self.layer_sets]
         self.zeroer = StepZeroer([([c], s.pages_per_block) for s in sets for c in s.caches])
-        self._slot_bytes = [cache_slot_bytes(ls.caches[0]) for ls in self.layer_sets]
-        self._slots = [ls.pages_per_block * cache_slots(ls.caches[0]) for ls in self.layer_sets]
+        self._tail_bytes = TailBytes.of(self.layer_sets)
         self._armed: list[list[tuple[str, int, int]]] = [[] for _ in sets]
         self._work: dict[str, LayerWork] = {}
         self._unrecorded = False  # launched since the last recorded event
@@ -120,8 +119,7 @@ class ReadTailsByLayer:
 
     def nbytes(self, work: LayerWork) -> int:
         """Bytes ``work`` zeroes."""
-        slots, slot_bytes = self._slots[work.group], self._slot_bytes[work.group]
-        return sum(slot_bytes * max(slots - f, 0) for _, f in work.armed.blocks_firsts)
+        return sum(self._tail_bytes(work.group, f) for _, f in work.armed.blocks_firsts)
 
     def take(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), removed."""

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from kvtail_connector import _compat, entry
-from kvtail_connector.connectors import BackendAdapter
+from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
@@ -59,7 +59,7 @@ class TailScheduler:
         groups: tuple[GroupInfo, ...],
         policy: TailPolicy,
         *,
-        adapter: BackendAdapter,
+        adapter: InnerAdapter,
         stats: KVTailStats,
         geometry: entry.Geometry | None = None,
         num_workers: int = 1,

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvtail_connector.cache_sets import CacheSet, TailBytes, cache_sets
 from kvtail_connector.completion_hold import CompletionHold
 from kvtail_connector.kvgroups import GroupInfo
-from kvtail_connector.layout import CacheSet, cache_sets, cache_slot_bytes, cache_slots
 from kvtail_connector.load_errors import LoadErrorLedger
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, KVTailWorkerMeta, LoadRecord
@@ -120,9 +120,7 @@ class TailWorker:
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
         self._loads: dict[str, _Pending] = {}
-        # Per cache set: bytes of one slot over all its caches, and P * N.
-        self._set_slot_bytes: list[int] = []
-        self._set_slots: list[int] = []
+        self._tail_bytes = TailBytes((), ())
         self._read_loads: list[LoadRecord] = []
         self._by_layer: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
@@ -153,9 +151,7 @@ class TailWorker:
         self._sets_of_group = {}
         for i, s in enumerate(self._sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
-        self._set_slot_bytes = [sum(cache_slot_bytes(c) for c in s.caches) for s in self._sets]
-        # A set is one group, page split and tokens_per_state: one slot count.
-        self._set_slots = [s.pages_per_block * cache_slots(s.caches[0]) for s in self._sets]
+        self._tail_bytes = TailBytes.of(self._sets)
         self._zeroer.warmup()
         if self._policy.read_tails_by_layer:
             self._by_layer = ReadTailsByLayer(self._sets)
@@ -416,10 +412,8 @@ class TailWorker:
         if zeroer is None or not items:
             return _Zeroing(owner, [], 0)
         lines = [ln for ln in (zeroer.line(*item) for item in items) if ln is not None]
-        slot_bytes, slots = self._set_slot_bytes, self._set_slots
-        nbytes = sum(
-            slot_bytes[g] * (slots[g] - first) for g, _, first in (ln.item for ln in lines)
-        )
+        tail_bytes = self._tail_bytes
+        nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
         return _Zeroing(owner, lines, nbytes)
 
     def _check_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> list[_Zeroing]:

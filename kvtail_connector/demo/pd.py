@@ -26,6 +26,7 @@ from kvtail_connector.demo.engine import EngineProcess, start_engines
 from kvtail_connector.demo.mooncake import MooncakeMaster
 from kvtail_connector.demo.procs import free_ports
 from kvtail_connector.demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
+from kvtail_connector.inner_connector import wrap_kv_transfer_config
 
 Backend = Literal["nixl", "mooncake"]
 ZeroTails = Literal["auto", "always", "off"]
@@ -74,20 +75,9 @@ def wrapped_kv_config(
     """The same side with ``KVTailConnector`` wrapping the plain connector: the plain
     connector's name and extra config move into ``kv_connector_extra_config``; every
     other field (``kv_role``, ``kv_buffer_device``) stays where it is."""
-    cfg = kv_config(backend, role)
-    inner_name = cfg.pop("kv_connector")
-    inner_extra = cfg.pop("kv_connector_extra_config")
-    return {
-        **cfg,
-        "kv_connector": "KVTailConnector",
-        "kv_connector_module_path": "kvtail_connector",
-        "kv_connector_extra_config": {
-            "backend": inner_name,
-            "backend_extra_config": inner_extra,
-            "zero_tails": zero_tails,
-            "probe_stale_tails": probe_stale_tails,
-        },
-    }
+    return wrap_kv_transfer_config(
+        kv_config(backend, role), zero_tails=zero_tails, probe_stale_tails=probe_stale_tails
+    )
 
 
 def make_prompt(n: int, seed: int = 0, vocab: int = 512) -> list[int]:

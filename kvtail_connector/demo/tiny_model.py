@@ -7,8 +7,10 @@ fixed seed, so every build gives the same files and the same greedy outputs.
 
 Shapes are chosen for vLLM's CPU attention backend, which only supports
 head_dim in {32, 64, 80, ...} and block sizes that are multiples of 32.
-Weights are stored as float32: with NIXL the bf16 path crashed in the decode
-side's AMX attention (research/install.md §2), so tests run in float32.
+Weights are stored as float32: with NIXL and vLLM's default bf16 the decode
+worker died with SIGILL (``Caught signal 4``) in CPU attention, whose bf16 path
+with block sizes that are multiples of 32 uses AMX (the same path worked without
+NIXL). float32 selects the "vec" ISA, so tests run in float32.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtail_connector.connectors import BackendAdapter, register_adapter
+from kvtail_connector.connectors import InnerAdapter, register_adapter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -295,7 +295,7 @@ def _producer_params(request: Request, block_ids: list[list[int]]) -> dict[str, 
     return {"do_remote_prefill": True, "remote_block_ids": [list(b) for b in block_ids]}
 
 
-class AsyncLoadDoubleAdapter(BackendAdapter):
+class AsyncLoadDoubleAdapter(InnerAdapter):
     """The double stands in for a peer transport that copies whole blocks."""
 
     @property

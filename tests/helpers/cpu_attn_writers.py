@@ -5,7 +5,7 @@ viewed as ``[B, H, 2N, D]``: K in the first N rows, V in the last N) in an
 ISA-specific order. These writers reproduce that order from vLLM 0.32's C++
 (``csrc/cpu/cpu_attn_vec.hpp``, ``cpu_attn_vec16.hpp``, ``cpu_attn_amx.hpp``,
 ``cpu_attn_fp8.hpp``), so the AMX layout is exercised on machines without AMX;
-``tests/unit/test_cpu_pages.py`` checks them against the real writer wherever
+``tests/with_vllm/test_cpu_pages.py`` checks them against the real writer wherever
 the ISA runs.
 
 - ``vec`` (and ``vec16``, which inherits it): K column-major ``[D, N]``

@@ -14,6 +14,7 @@ import torch
 
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
 from tests.helpers import async_double
@@ -46,9 +47,7 @@ class Harness:
         extra.update({k: kw.pop(k) for k in list(kw) if k in KVTailConfig.model_fields})
         kw.setdefault("kv_load_failure_policy", "recompute")
         self.vllm_config = make_vllm_config(
-            kv_connector="KVTailConnector",
-            kv_connector_module_path="kvtail_connector",
-            kv_connector_extra_config=extra,
+            **wrapper_fields(extra),
             **kw,
         )
         self.scheduler = make_scheduler(self.vllm_config, kv_cache_config)

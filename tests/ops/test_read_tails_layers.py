@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtail_connector.layout import CacheSet
+from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.ops import reference_zero_kv_blocks
 from kvtail_connector.read_tails import ReadTailsByLayer
 from tests.helpers.layouts import make_backing, rebase, to_device

@@ -12,23 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-
-from kvtail_connector import _compat  # noqa: E402
-from kvtail_connector.stats import COUNTERS  # noqa: E402
-from tests.helpers.lifecycle import Harness  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector import _compat
+from kvtail_connector.stats import COUNTERS
+from tests.helpers.lifecycle import Harness
+from tests.helpers.vllm_factories import (
     assert_scheduler_empty,
     make_model_runner_output,
     make_worker_connector,
     run_worker_step,
 )
-from tests.helpers.worker_caches import allocate  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.helpers.worker_caches import allocate
 
 
 class TPRun:

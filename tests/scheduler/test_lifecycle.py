@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.v1.request import RequestStatus
 
-pytest.importorskip("vllm")
-
-from vllm.v1.request import RequestStatus  # noqa: E402
-
-from kvtail_connector import dcp_local_valid_slots  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
-from tests.helpers import async_double  # noqa: E402
-from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector import dcp_local_valid_slots
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.worker import RankPlacement, TailWorker
+from tests.helpers import async_double
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state
+from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
@@ -31,9 +29,7 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     make_scheduler,
     make_vllm_config,
 )
-from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
 
 def test_tail_shipped_once_and_zeroed_at_completion():
@@ -130,13 +126,13 @@ def test_hybrid_attention_group_only_with_its_coarser_block():
 def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
     kv = make_kv_cache_config(block_size=1536, num_blocks=8)
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={
-            "backend": "AsyncLoadDouble",
-            "backend_module_path": async_double.MODULE_PATH,
-            "zero_tails": "always",
-        },
+        **wrapper_fields(
+            {
+                "backend": "AsyncLoadDouble",
+                "backend_module_path": async_double.MODULE_PATH,
+                "zero_tails": "always",
+            }
+        ),
         block_size=1536,
         dcp_size=8,
         max_model_len=40_000,

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state
 
 PROMPT = 80  # five 16-token blocks, no new block for the prefill or the one token
 LOADED_TOKENS = 75  # 4 whole blocks + 11 slots of the fifth

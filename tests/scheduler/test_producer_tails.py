@@ -15,24 +15,19 @@ import copy
 from typing import Any
 
 import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-
-from kvtail_connector import _compat, entry  # noqa: E402
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from tests.helpers.lifecycle import BLOCK, Harness, slot_state  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector import _compat, entry
+from kvtail_connector.metadata import KVTailMetadata
+from tests.helpers.lifecycle import BLOCK, Harness, slot_state
+from tests.helpers.vllm_factories import (
     make_model_runner_output,
     make_worker_connector,
     run_step,
     run_worker_step,
 )
-from tests.helpers.worker_caches import allocate  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.helpers.worker_caches import allocate
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 

@@ -28,13 +28,13 @@ def test_kv_transfer_configs_parse_and_resolve(path):
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvtail_connector import backend
+    from kvtail_connector import inner_connector
 
     outer = KVTransferConfig(**ktc)
-    inner = backend.inner_transfer_config(outer, cfg)
+    inner = inner_connector.inner_transfer_config(outer, cfg)
     assert inner.kv_role == ktc["kv_role"]
     registered = KVConnectorFactory.get_connector_class_by_name(cfg.backend)
-    assert backend.resolve_backend_class(cfg, inner) is registered
+    assert inner_connector.resolve_backend_class(cfg, inner) is registered
 
 
 def _load_proxy():

@@ -14,11 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("vllm")
-
-from vllm import _custom_ops as ops  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm import _custom_ops as ops
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -26,16 +23,14 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     compute_layout_strides,
     create_kv_cache_views,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector import RegionCache, cpu_pages  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.layout import _as_cache, cache_sets  # noqa: E402
-from kvtail_connector.ops import KVZeroer  # noqa: E402
-from tests.helpers import cpu_attn_writers as synthetic  # noqa: E402
-from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS  # noqa: E402
-
-pytestmark = [pytest.mark.vllm]
+from kvtail_connector import RegionCache, cpu_pages
+from kvtail_connector.cache_sets import _as_cache, cache_sets
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.ops import KVZeroer
+from tests.helpers import cpu_attn_writers as synthetic
+from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS
 
 HAS_AMX = torch.cpu._is_amx_tile_supported()
 AMX_SKIP = "this CPU has no AMX tiles: vLLM's amx writer cannot run (the synthetic one does)"
@@ -259,7 +254,7 @@ def test_layout_recognises_cpu_attn_and_passes_other_backends_through():
 
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
-    from kvtail_connector.layout import CacheSet
+    from kvtail_connector.cache_sets import CacheSet
     from kvtail_connector.probe import probe_items
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
@@ -273,7 +268,7 @@ def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_slot_bytes_count_each_slot_once_over_its_regions(monkeypatch, isa):
     # The zeroed-bytes counters multiply this by the stale slots.
-    from kvtail_connector.layout import cache_slot_bytes
+    from kvtail_connector.cache_sets import cache_slot_bytes
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
     view = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Resolve and build the inner connector the way MultiConnector builds a child.
+"""The inner connector (``kv_connector_extra_config.backend``): resolved,
+validated and built the way MultiConnector builds a child.
 
 The inner connector gets the wrapper's ``kv_transfer_config`` with
 ``kv_connector``, ``kv_connector_module_path`` and
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvtail_connector import _compat
 from kvtail_connector.config import PREFIX, KVTailConfig
-from kvtail_connector.connectors import BackendAdapter, adapter_for, extra_for
+from kvtail_connector.connectors import InnerAdapter, adapter_for, extra_for
+from kvtail_connector.plugin import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -29,6 +31,34 @@ if TYPE_CHECKING:
 BACKEND = f"{PREFIX}.backend"
 BACKEND_MODULE_PATH = f"{PREFIX}.backend_module_path"
 CHILDREN = f"{PREFIX}.backend_extra_config.connectors"
+
+
+def wrapper_fields(extra_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``kv_transfer_config`` fields that name ``KVTailConnector``, with
+    ``extra_config`` (a copy) as its ``kv_connector_extra_config``. Every other
+    field (``kv_role``, ``kv_buffer_device``...) is the caller's."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": "kvtail_connector",
+        "kv_connector_extra_config": dict(extra_config),
+    }
+
+
+def wrap_kv_transfer_config(plain: Mapping[str, Any], **options: Any) -> dict[str, Any]:
+    """``plain`` (a plain connector's ``kv_transfer_config`` as a dict) with
+    ``KVTailConnector`` around its connector: the inverse of
+    :func:`inner_transfer_config`. The connector's name, module path and extra
+    config move to ``backend``, ``backend_module_path`` and
+    ``backend_extra_config``; ``options`` are the wrapper's other fields
+    (``zero_tails``, ``probe_stale_tails``); every other field stays."""
+    cfg = dict(plain)
+    extra: dict[str, Any] = {"backend": cfg.pop("kv_connector")}
+    module_path = cfg.pop("kv_connector_module_path", None)
+    if module_path is not None:
+        extra["backend_module_path"] = module_path
+    if "kv_connector_extra_config" in cfg:
+        extra["backend_extra_config"] = cfg.pop("kv_connector_extra_config")
+    return {**cfg, **wrapper_fields({**extra, **options})}
 
 
 def inner_transfer_config(outer: Any, cfg: KVTailConfig) -> Any:
@@ -222,7 +252,7 @@ def children_of(cls: type, transfer_config: Any) -> tuple[Child, ...]:
     return tuple(children)
 
 
-def build_adapter(cls: type, transfer_config: Any, children: tuple[Child, ...]) -> BackendAdapter:
+def build_adapter(cls: type, transfer_config: Any, children: tuple[Child, ...]) -> InnerAdapter:
     """The adapter of ``cls``; a MultiConnector gets its children's, one per index."""
     return adapter_for(
         cls,

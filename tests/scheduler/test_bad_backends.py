@@ -10,17 +10,13 @@ import sys
 import textwrap
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
-from kvtail_connector import plugin  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import plugin
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 BACKEND = "kv_connector_extra_config.backend"
 MODULE_PATH = "kv_connector_extra_config.backend_module_path"
@@ -75,9 +71,7 @@ def registry(monkeypatch):
 def start(extra: dict) -> KVTailConnector:
     return KVTailConnector(
         make_vllm_config(
-            kv_connector="KVTailConnector",
-            kv_connector_module_path="kvtail_connector",
-            kv_connector_extra_config=extra,
+            **wrapper_fields(extra),
         ),
         KVConnectorRole.SCHEDULER,
         make_kv_cache_config(block_size=16, num_blocks=8),

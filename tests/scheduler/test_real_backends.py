@@ -12,28 +12,22 @@ import sys
 
 import msgspec
 import pytest
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
 
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.stats import KVTailStats, connector_path  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.stats import KVTailStats, connector_path
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 
 def config(backend: str, role: str = "kv_consumer", **kw):
     extra = {"backend": backend, **kw.pop("extra", {})}
     return make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields(extra),
         kv_role=role,
-        kv_connector_extra_config=extra,
         **kw,
     )
 

@@ -9,27 +9,23 @@ import logging
 from importlib.metadata import entry_points
 
 import pytest
+import vllm
+import vllm.plugins
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
 
-pytest.importorskip("vllm")
-
-import vllm  # noqa: E402
-import vllm.plugins  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-
-from kvtail_connector import _compat, plugin  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.log import PARENT  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector import _compat, plugin
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.log import PARENT
+from tests.helpers.vllm_factories import (
     make_kv_cache_config,
     make_vllm_config,
     tiny_model_dir,
 )
-from tests.unit.test_observability import registry_metric_types  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from tests.scheduler.test_observability import registry_metric_types
 
 UNSUPPORTED = ["0.34.0", "0.31.2", "1.0.0", "0.1.dev5+g1a2b3c4", "dev"]
 
@@ -109,9 +105,7 @@ def test_plain_engine_args_survive_an_unsupported_vllm(
 
 def test_the_connector_refuses_an_unsupported_vllm_with_one_message(monkeypatch):
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     ktc = vllm_config.kv_transfer_config
     monkeypatch.setattr(vllm, "__version__", "0.34.0")

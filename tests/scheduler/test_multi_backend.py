@@ -15,41 +15,37 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from prometheus_client import CollectorRegistry  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import (  # noqa: E402
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.metrics import (
     MooncakeStoreConnectorStats,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
     MultiKVConnectorMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
 )
-from vllm.v1.engine import EngineCoreOutputs  # noqa: E402
-from vllm.v1.metrics.stats import SchedulerStats  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from kvtail_connector import plugin  # noqa: E402
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.connectors import BackendAdapter  # noqa: E402
-from kvtail_connector.connectors.moriio import MoRIIOAdapter  # noqa: E402
-from kvtail_connector.connectors.nixl import NixlAdapter  # noqa: E402
-from kvtail_connector.stats import KVTailStats, connector_path  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.unit.test_observability import registry_metric_types  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import plugin
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.connectors.moriio import MoRIIOAdapter
+from kvtail_connector.connectors.nixl import NixlAdapter
+from kvtail_connector.inner_connector import wrap_kv_transfer_config, wrapper_fields
+from kvtail_connector.stats import KVTailStats, connector_path
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.scheduler.test_observability import registry_metric_types
 
 CHILDREN = "kv_connector_extra_config.backend_extra_config.connectors"
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
@@ -58,13 +54,13 @@ MOONCAKE = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 
 def multi_backend(children: list[dict[str, Any]], **kw: Any) -> Any:
     return make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields(
+            {
+                "backend": "MultiConnector",
+                "backend_extra_config": {"connectors": children},
+            }
+        ),
         kv_role="kv_both",
-        kv_connector_extra_config={
-            "backend": "MultiConnector",
-            "backend_extra_config": {"connectors": children},
-        },
         **kw,
     )
 
@@ -151,7 +147,7 @@ def test_children_are_built_with_their_own_adapters():
 def test_a_generic_child_keeps_the_generic_adapter():
     wrapper = start(multi_backend([MOONCAKE]))
     ((label, child),) = wrapper._scheduler._adapter.children
-    assert type(child) is not NixlAdapter and isinstance(child, BackendAdapter)
+    assert type(child) is not NixlAdapter and isinstance(child, InnerAdapter)
     assert label == f"{CHILDREN}[0] (MooncakeStoreConnector)"
     assert not wrapper._scheduler._adapter.sync_read
 
@@ -193,10 +189,8 @@ def test_bad_children_are_named(children, fragment):
     plugin.register()  # KVTailConnector is a registered name in every vLLM process
     extra: dict[str, Any] = {} if children is None else {"connectors": children}
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields({"backend": "MultiConnector", "backend_extra_config": extra}),
         kv_role="kv_both",
-        kv_connector_extra_config={"backend": "MultiConnector", "backend_extra_config": extra},
     )
     with pytest.raises(ValueError) as info:
         start(vllm_config)
@@ -260,15 +254,7 @@ def test_inner_stats_alone_are_logged_with_kvtail_counters_at_zero():
 
 def test_two_wrapped_children_keep_their_inner_stats_apart():
     plugin.register()  # the front end rebuilds children by registered name
-    wrapped = [
-        {
-            "kv_connector": "KVTailConnector",
-            "kv_connector_module_path": "kvtail_connector",
-            "kv_role": child["kv_role"],
-            "kv_connector_extra_config": {"backend": child["kv_connector"]},
-        }
-        for child in (NIXL, MOONCAKE)
-    ]
+    wrapped = [wrap_kv_transfer_config(child) for child in (NIXL, MOONCAKE)]
     vllm_config = make_vllm_config(
         kv_connector="MultiConnector",
         kv_role="kv_both",

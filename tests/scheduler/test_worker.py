@@ -7,23 +7,18 @@ import sys
 
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-pytest.importorskip("vllm")
-
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
-from tests.helpers.layouts import rebase  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import (  # noqa: E402
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.ops import reference_zero_kv_blocks
+from tests.helpers.layouts import rebase
+from tests.helpers.vllm_factories import make_kv_cache_config
+from tests.helpers.worker_caches import (
     ErrorSource,
     allocate,
     make_tail_worker,
     tail_policy,
 )
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
@@ -90,7 +85,7 @@ def test_fence_waits_for_earlier_zeroing_only_when_pending(done, calls):
 def test_start_load_kv_fences_before_the_inner_load():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from tests.unit.test_forwarding import build
+    from tests.scheduler.test_forwarding import build
 
     wrapper, inner, _ = build(KVConnectorRole.WORKER)
     order = []

@@ -13,7 +13,7 @@ CPU attention pages (per-ISA layouts learned from its writer; see
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvtail_connector import _compat, cpu_pages, rocm_pages
-from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.ops import RegionCache, indexer_cache
 
 # What "off" does and does not switch off, for refusals that suggest it.
@@ -55,11 +55,6 @@ class CacheSet:
     tokens_per_state: int | Fraction
     caches: list[torch.Tensor | RegionCache] = field(default_factory=list)
     layer_names: list[str] = field(default_factory=list)
-
-
-def _layer_spec(group_spec: Any, layer: str) -> Any:
-    inner = getattr(group_spec, "kv_cache_specs", None)
-    return inner[layer] if inner else group_spec
 
 
 def _is_indexer(spec: Any, layer_object: Any) -> bool:
@@ -160,7 +155,7 @@ def cache_sets(
                     f"KVTailConnector: layer {layer!r} has {pages} kernel pages, not a multiple "
                     f"of num_blocks={num_blocks}; cannot map manager blocks to its pages."
                 )
-            spec = _layer_spec(group.kv_cache_spec, layer)
+            spec = layer_spec(group.kv_cache_spec, layer)
             tps = getattr(spec, "tokens_per_state", 1)
             key = (info.group_id, pages // num_blocks, tps)
             cs = sets.setdefault(key, CacheSet(info.group_id, pages // num_blocks, tps))
@@ -183,3 +178,29 @@ def cache_slot_bytes(cache: torch.Tensor | RegionCache) -> int:
         n = int(cache.slots_per_page)
         return sum(r.slot_bytes * r.count(n) for r in cache.regions) // n
     return int(cache.shape[1] * cache.shape[3] * cache.element_size())
+
+
+@dataclass(frozen=True)
+class TailBytes:
+    """Bytes a zeroing from slot ``first`` to the end of a block writes, per
+    cache set: ``slot_bytes[i] * (slots[i] - first)`` (the zeroed-bytes
+    counters). Tables built once at registration; a call is a few lookups.
+
+    Attributes:
+        slot_bytes: per set, bytes of one slot over all the set's caches.
+        slots: per set, slots of one manager block on this rank (``P * N``;
+            a set is one group, page split and ``tokens_per_state``).
+    """
+
+    slot_bytes: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    @classmethod
+    def of(cls, sets: Sequence[CacheSet]) -> TailBytes:
+        return cls(
+            tuple(sum(cache_slot_bytes(c) for c in s.caches) for s in sets),
+            tuple(s.pages_per_block * cache_slots(s.caches[0]) for s in sets),
+        )
+
+    def __call__(self, set_index: int, first: int) -> int:
+        return self.slot_bytes[set_index] * max(self.slots[set_index] - first, 0)

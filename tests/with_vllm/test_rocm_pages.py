@@ -15,13 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("vllm")
-
-from vllm.v1.attention.backends.rocm_aiter_fa import AiterFlashAttentionBackend  # noqa: E402
-from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend  # noqa: E402
-from vllm.v1.attention.ops.paged_attn import PagedAttention  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.attention.backends.rocm_aiter_fa import AiterFlashAttentionBackend
+from vllm.v1.attention.backends.rocm_attn import RocmAttentionBackend
+from vllm.v1.attention.ops.paged_attn import PagedAttention
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -29,14 +26,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     compute_layout_strides,
     create_kv_cache_views,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.layout import _as_cache, cache_sets  # noqa: E402
-from kvtail_connector.ops import KVZeroer, RegionCache  # noqa: E402
-from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS  # noqa: E402
-
-pytestmark = [pytest.mark.vllm]
+from kvtail_connector.cache_sets import _as_cache, cache_sets
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.ops import KVZeroer, RegionCache
+from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 HEADS, HEAD_SIZE, BLOCK, NUM_BLOCKS = 2, 32, 16, 5

@@ -36,18 +36,14 @@ from typing import Any
 
 import pytest
 import torch
+import vllm
+from vllm.v1.core.sched.scheduler import Scheduler
 
-pytest.importorskip("vllm")
-# moriio_connector imports msgpack at module level (kvtail-connector[moriio]).
-pytest.importorskip("msgpack", reason="MoRIIOConnector's scheduler side imports msgpack")
-
-import vllm  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from kvtail_connector.stats import COUNTERS  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.stats import COUNTERS
+from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
@@ -56,8 +52,6 @@ from tests.helpers.vllm_factories import (  # noqa: E402
     make_vllm_config,
     run_step,
 )
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
 BLOCK = 16
 HOST = "127.0.0.1"
@@ -111,14 +105,14 @@ class Run:
         inner_extra = _moriio_extra(read)
         if wrapped:
             vllm_config = make_vllm_config(
-                kv_connector="KVTailConnector",
-                kv_connector_module_path="kvtail_connector",
+                **wrapper_fields(
+                    {
+                        "backend": "MoRIIOConnector",
+                        "backend_extra_config": inner_extra,
+                        "zero_tails": zero_tails,
+                    }
+                ),
                 kv_role=kv_role,
-                kv_connector_extra_config={
-                    "backend": "MoRIIOConnector",
-                    "backend_extra_config": inner_extra,
-                    "zero_tails": zero_tails,
-                },
                 **config_kwargs,
             )
         else:

@@ -13,21 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-pytest.importorskip("vllm")
-
-from vllm.config import CUDAGraphMode  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
-from kvtail_connector import _compat  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.ops import reference_zero_kv_blocks  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from tests.helpers.layouts import rebase  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import allocate, make_tail_worker  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import _compat
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.ops import reference_zero_kv_blocks
+from kvtail_connector.stats import KVTailStats
+from tests.helpers.layouts import rebase
+from tests.helpers.vllm_factories import make_kv_cache_config
+from tests.helpers.worker_caches import allocate, make_tail_worker
 
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
 # Two READ loads (valid token counts include the recomputed token): tails in
@@ -152,7 +147,7 @@ def test_when_reads_have_landed_at_start(mode):
 
 
 def test_wrapper_hooks_reach_the_worker_in_order():
-    from tests.unit.test_forwarding import build
+    from tests.scheduler.test_forwarding import build
 
     wrapper, inner, _ = build(KVConnectorRole.WORKER)
     wrapper._sync_read = True  # as for MoRIIO READ (its worker needs ROCm)

@@ -11,22 +11,16 @@ has fired.
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvtail_connector import completion_hold  # noqa: E402
-from kvtail_connector.connectors import adapter_for  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.ops import KVZeroer  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config  # noqa: E402
-from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector import completion_hold
+from kvtail_connector.connectors import adapter_for
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.ops import KVZeroer
+from tests.helpers.vllm_factories import make_kv_cache_config
+from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker
 
 
 class _Event:

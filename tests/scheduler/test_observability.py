@@ -6,24 +6,19 @@ import logging
 
 import msgspec
 import numpy as np
-import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-pytest.importorskip("vllm")
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.kvgroups import group_infos  # noqa: E402
-from kvtail_connector.log import PARENT  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.log import PARENT
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path
+from kvtail_connector.worker import RankPlacement, TailWorker
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
 
 def registry_metric_types(registry):
@@ -56,9 +51,7 @@ def test_stats_round_trip_msgspec_and_aggregate():
 def test_prometheus_counters_register_with_vllm_labels_and_observe():
     registry = CollectorRegistry()
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     labelnames = ["model_name", "engine"]
     prom = KVTailConnector.build_prom_metrics(
@@ -138,9 +131,7 @@ def test_probe_off_counts_nothing():
 
 def test_scheduler_side_stats_are_reported_by_the_scheduler_connector():
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     wrapper = KVTailConnector(
         vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(block_size=16, num_blocks=8)
@@ -157,9 +148,7 @@ def _logged_lines(payloads: list[dict]) -> list[str]:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     log = KVConnectorLogging(vllm_config.kv_transfer_config)
     for payload in payloads:
@@ -192,9 +181,7 @@ def test_a_gauge_only_report_reaches_prometheus_but_not_the_log_line():
     assert _logged_lines([snapshot.to_dict()]) == []
     registry = CollectorRegistry()
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config={"backend": "NixlConnector"},
+        **wrapper_fields({"backend": "NixlConnector"}),
     )
     prom = KVTailConnector.build_prom_metrics(
         vllm_config, registry_metric_types(registry), ["engine"], {0: ["0"]}

