@@ -26,48 +26,48 @@ class LoadErrorLedger:
     """
 
     def __init__(self) -> None:
-        self._holder: dict[int, str] = {}  # block id -> request whose load writes it
-        self._blocks: dict[str, tuple[int, ...]] = {}  # request -> its tracked blocks
+        # request -> the blocks its load in flight writes. A block is written by
+        # one load in flight at a time (vLLM allocates it to one request), so
+        # the owner of a reported id is found by search, only when ids are
+        # reported: tracking and releasing loads, every step, stay O(1).
+        self._blocks: dict[str, frozenset[int]] = {}
         self._invalid: dict[str, set[int]] = {}  # request -> its blocks reported invalid
         self._for_runner: set[int] = set()  # fetched early, not yet handed to the runner
 
     def track(self, req_id: str, blocks: Iterable[int]) -> None:
         """``req_id``'s load is in flight and writes ``blocks`` (replaces an
         earlier load of the same request)."""
-        self.release(req_id)
-        ids = tuple(blocks)
-        self._blocks[req_id] = ids
-        for b in ids:
-            self._holder[b] = req_id
+        self._invalid.pop(req_id, None)
+        self._blocks[req_id] = frozenset(blocks)
 
     def release(self, req_id: str) -> set[int]:
         """Forget ``req_id``'s load; return its blocks that were reported invalid."""
-        for b in self._blocks.pop(req_id, ()):
-            if self._holder.get(b) == req_id:
-                del self._holder[b]
+        self._blocks.pop(req_id, None)
         return self._invalid.pop(req_id, set())
 
     def fetch(self, inner: Any) -> None:
         """Ask the inner connector now, ahead of the runner, and attribute."""
-        fresh = inner.get_block_ids_with_load_errors()
+        fresh = set(inner.get_block_ids_with_load_errors())
         self._for_runner |= fresh
         self._attribute(fresh)
 
     def take(self, inner: Any) -> set[int]:
         """The runner's ``get_block_ids_with_load_errors``: ids fetched early in
         this pass plus what the inner connector reports now (attributed too)."""
-        fresh = inner.get_block_ids_with_load_errors()
+        fresh = set(inner.get_block_ids_with_load_errors())
         self._attribute(fresh)
         out, self._for_runner = self._for_runner | fresh, set()
         return out
 
-    def _attribute(self, errors: Iterable[int]) -> None:
-        for b in errors:
-            req_id = self._holder.get(b)
-            if req_id is not None:
-                self._invalid.setdefault(req_id, set()).add(b)
+    def _attribute(self, errors: set[int]) -> None:
+        if not errors:
+            return
+        for req_id, blocks in self._blocks.items():
+            hit = blocks.intersection(errors)
+            if hit:
+                self._invalid.setdefault(req_id, set()).update(hit)
 
     @property
     def num_tracked(self) -> int:
         """Entries held (0 when idle and the runner has collected every id)."""
-        return len(self._blocks) + len(self._invalid) + len(self._holder) + len(self._for_runner)
+        return len(self._blocks) + len(self._invalid) + len(self._for_runner)
