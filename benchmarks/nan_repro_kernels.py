@@ -53,6 +53,10 @@ def sdpa(backend: object, dtype: torch.dtype) -> Kernel:
     from torch.nn.attention import sdpa_kernel
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+        # GQA as attention backends feed SDPA: each KV head repeated for its
+        # query heads (the memory-efficient kernel takes no enable_gqa).
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
         with sdpa_kernel([backend]):  # type: ignore[list-item]
             out = F.scaled_dot_product_attention(
                 q.to(dtype)[None, :, None, :],
@@ -60,7 +64,6 @@ def sdpa(backend: object, dtype: torch.dtype) -> Kernel:
                 v.to(dtype)[None],
                 attn_mask=mask[None, None, None, :],
                 scale=1.0 / math.sqrt(k.shape[-1]),
-                enable_gqa=q.shape[0] != k.shape[0],
             )
         return out[0, :, 0, :].float()
 
