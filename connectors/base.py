@@ -30,8 +30,7 @@ class InnerAdapter:
         started from the scheduler side."""
         return False
 
-    @property
-    def carries_producer_tail(self) -> bool:
+    def carries_producer_tail(self, vllm_config: Any) -> bool:
         """The transfer copies the producer's whole blocks, and only after the
         producer's step output has left (the consumer asks for them with the
         request's ``kv_transfer_params``): a tail the producer zeroed in its

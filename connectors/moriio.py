@@ -24,8 +24,7 @@ class MoRIIOAdapter(InnerAdapter):
         # update_state_after_alloc, and the producer RDMA-writes at once.
         return not self.sync_read
 
-    @property
-    def carries_producer_tail(self) -> bool:
+    def carries_producer_tail(self, vllm_config: Any) -> bool:
         # READ: the consumer reads whole producer blocks after it has the
         # params. WRITE: the producer writes each layer during its forward,
         # before the wrapper's zeroing (and parallel WRITE never sends params).

@@ -15,8 +15,10 @@ reads none of them; found while writing the scheduler tests, which run on both):
   tokens (encoder budget, MTP lookahead) is requeued and the scan goes on
   (0.32 stops the scan).
 - ``BlockPool`` skips the null block in its free/touch loops (0.32 filters
-  ``not block.is_null`` inside them); ``get_blocks``/``get_block_ids`` trim
-  leading null blocks (``trim_null_head``, sliding-window prefixes).
+  ``not block.is_null`` inside them); the free paths and
+  ``get_unhashed_block_ids_all_groups`` trim leading null blocks
+  (``trim_null_head``, sliding-window prefixes); ``KVCacheBlocks.get_block_ids``
+  does not (block index = token index // block size, as in 0.32).
 - ``MambaManager`` asserts ``mamba_cache_mode == "align"`` with prefix
   caching (0.32 accepts ``"none"``).
 - Hash lookahead: ``num_hash_lookahead_tokens`` on
@@ -200,6 +202,23 @@ def producer_tail_hook(vllm_config: Any) -> str | None:
     if getattr(vllm_config, "use_v2_model_runner", False):
         return "finish_forward"
     return "wait_for_save"
+
+
+def platform_is_cpu() -> bool:
+    """vLLM runs on its CPU platform (0.32 and 0.33: ``current_platform.device_type``)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type) == "cpu"
+
+
+def worker_rank() -> int:
+    """This worker's rank among the engine's workers (vLLM's world group; 0
+    without initialized groups: a single process, tests)."""
+    from vllm.distributed import parallel_state as ps
+
+    if getattr(ps, "_WORLD", None) is None:
+        return 0
+    return int(ps.get_world_group().rank_in_group)
 
 
 def worker_count(parallel_config: Any) -> int:

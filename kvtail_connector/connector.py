@@ -115,7 +115,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             writes_past_the_fence=adapter.writes_past_the_fence,
             reads_may_land_per_layer=_compat.moriio_reads_may_land_per_layer(),
             is_producer=bool(transfer.is_kv_producer),
-            carries_producer_tail=adapter.carries_producer_tail,
+            carries_producer_tail=adapter.carries_producer_tail(vllm_config),
             producer_hook=_compat.producer_tail_hook(vllm_config),  # type: ignore[arg-type]
         )
         self._policy = policy
@@ -152,6 +152,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 placement,
                 policy,
                 counts_requests=_compat.counts_requests_on_this_rank(),
+                rank=_compat.worker_rank(),
                 stats=self._stats,
             )
         zero = policy.zero_tails
@@ -343,9 +344,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def on_new_request(self, request: Any) -> None:
+        # Inner first: NIXL and MoRIIO may shorten a producer's request to a
+        # single-token prefill (max_tokens = 1) here, which is what we claim for.
+        self._inner.on_new_request(request)
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
-        self._inner.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
         # The inner connector sees its own worker metadata, as if unwrapped.

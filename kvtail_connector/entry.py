@@ -103,19 +103,25 @@ def read(params: Mapping[str, Any] | None) -> tuple[Entry | None, str]:
         return None, "absent"
     if not isinstance(raw, Mapping):
         return None, "malformed"
-    if raw.get("v") != VERSION or isinstance(raw.get("v"), bool):
+    if type(raw.get("v")) is not int or raw.get("v") != VERSION:
         return None, "unknown version"
     try:
         geom = raw["geom"]
         sizes = tuple(_int(b) for b in geom["bs"])
         entry = Entry(
             num_tokens=_int(raw["n"]),
-            geometry=Geometry(sizes, _int(geom["dcp"]), _int(geom["ilv"]), str(geom["sig"])),
+            geometry=Geometry(sizes, _int(geom["dcp"]), _int(geom["ilv"]), _str(geom["sig"])),
             tail_zero=raw.get("tail") == TAIL_ZERO,
         )
     except (KeyError, TypeError, ValueError):
         return None, "malformed"
     return entry, "ok"
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"not a string: {value!r}")
+    return value
 
 
 def _int(value: Any) -> int:

@@ -95,18 +95,19 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
 
     vLLM's ``KVOutputAggregator`` folds every worker's metadata with
     :meth:`aggregate`, so after it ``confirmed[req] == ranks`` means every rank
-    that reported zeroed that request's tail.
+    that reported zeroed that request's tail. Ranks are ids, not counts: an
+    output folded twice (replayed) cannot stand in for a rank that did not zero.
 
     Attributes:
         inner: the inner connector's worker metadata (unwrapped before the
             inner connector's ``update_connector_output``).
         confirmed: request id -> ranks that zeroed its producer tail this step.
-        ranks: workers folded into this object.
+        ranks: ranks (vLLM world-group ranks) folded into this object.
     """
 
     inner: KVConnectorWorkerMetadata | None = None
-    confirmed: dict[str, int] = field(default_factory=dict)
-    ranks: int = 1
+    confirmed: dict[str, frozenset[int]] = field(default_factory=dict)
+    ranks: frozenset[int] = frozenset({0})
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTailWorkerMeta):
@@ -119,6 +120,6 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
         elif other.inner is not None:
             inner = inner.aggregate(other.inner)
         confirmed = dict(self.confirmed)
-        for req_id, n in other.confirmed.items():
-            confirmed[req_id] = confirmed.get(req_id, 0) + n
-        return KVTailWorkerMeta(inner=inner, confirmed=confirmed, ranks=self.ranks + other.ranks)
+        for req_id, ranks in other.confirmed.items():
+            confirmed[req_id] = confirmed.get(req_id, frozenset()) | ranks
+        return KVTailWorkerMeta(inner=inner, confirmed=confirmed, ranks=self.ranks | other.ranks)

@@ -77,7 +77,7 @@ class TailScheduler:
         # finished in the update_from_output call now running, until its
         # update_connector_output confirms (or not) the zeroing.
         self._producing: dict[str, Any] = {}
-        self._claims: dict[str, int] = {}
+        self._claims: dict[str, tuple[int, int]] = {}  # (prompt length, preemptions then)
         self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
         # req_id -> (local computed tokens, load is async) from the latest
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
@@ -183,8 +183,13 @@ class TailScheduler:
         req_id = request.request_id
         self._matched.pop(req_id, None)
         self._producing.pop(req_id, None)
-        num_tokens = self._claims.pop(req_id, None)
-        if num_tokens is not None and isinstance(params, dict):
+        claim = self._claims.pop(req_id, None)
+        if claim is None or not isinstance(params, dict):
+            return
+        num_tokens, preemptions = claim
+        # Preempted since (async scheduling can preempt it after the step that
+        # zeroed its tail was scheduled): its blocks were freed; no claim.
+        if request.num_preemptions == preemptions and request.num_computed_tokens >= num_tokens:
             self._provisional[req_id] = (params, num_tokens)
 
     def update_connector_output(
@@ -233,8 +238,9 @@ class TailScheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         manager = self._kv_cache_manager
         records = []
-        for req_id, request in self._producing.items():
-            step = scheduled.get(req_id, 0)
+        for req_id in scheduled.keys() & self._producing.keys():
+            request = self._producing[req_id]
+            step = scheduled[req_id]
             done = int(request.num_computed_tokens)  # not yet advanced for this step
             n = int(request.num_prompt_tokens)
             if step <= 0 or not done < n <= done + step or manager is None:
@@ -251,7 +257,7 @@ class TailScheduler:
                 groups.append(GroupLoad(info.group_id, tail[0], (ids[tail[0]],)))
             else:
                 records.append(LoadRecord(req_id, 0, n, tuple(groups)))
-                self._claims[req_id] = n
+                self._claims[req_id] = (n, int(request.num_preemptions))
         return tuple(records)
 
     def _grant_claims(self, worker_meta: KVTailWorkerMeta | None) -> None:
@@ -260,12 +266,14 @@ class TailScheduler:
         leave without one (their consumer zeroes as if P were plain vLLM)."""
         provisional, self._provisional = self._provisional, {}
         workers = self._num_workers
-        confirmed: dict[str, int] = {}
-        if worker_meta is not None and worker_meta.ranks == workers:
+        confirmed: dict[str, frozenset[int]] = {}
+        if worker_meta is not None and len(worker_meta.ranks) == workers:
             confirmed = worker_meta.confirmed
         assert self._geometry is not None, "a producer knows its geometry"
         for req_id, (params, num_tokens) in provisional.items():
-            if confirmed.get(req_id) != workers:
+            # Distinct ranks: a step's outputs replayed (0.33 fault tolerance)
+            # repeat a rank's confirmation, never add one.
+            if len(confirmed.get(req_id, ())) != workers:
                 logger.debug("kvtail: %s: tail not confirmed by every worker: no claim", req_id)
                 continue
             claim = entry.Entry(num_tokens=num_tokens, geometry=self._geometry, tail_zero=True)

@@ -99,6 +99,8 @@ class TailWorker:
         counts_requests: this rank reports the per-request counters
             (``tails_zeroed``, ``probed_tails``): one rank per request, since
             vLLM sums every worker's stats. Byte counts come from every rank.
+        rank: this worker's rank among the engine's workers (its producer
+            confirmations are counted by id).
         stats: the counters this side reports.
     """
 
@@ -109,6 +111,7 @@ class TailWorker:
         policy: TailPolicy,
         *,
         counts_requests: bool = True,
+        rank: int = 0,
         stats: KVTailStats,
     ) -> None:
         self._groups = groups
@@ -116,6 +119,7 @@ class TailWorker:
         self._policy = policy
         self._stats = stats
         self._per_request = counts_requests
+        self._rank = rank
         self._zeroer: StepZeroer | None = None
         self._sets: list[CacheSet] = []
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
@@ -217,7 +221,8 @@ class TailWorker:
             logger.debug("kvtail: %d producer tail(s) not zeroed", len(self._producer_tails))
             self._producer_tails = []
         zeroed, self._producer_zeroed = self._producer_zeroed, []
-        return KVTailWorkerMeta(inner=inner, confirmed=dict.fromkeys(zeroed, 1))
+        mine = frozenset({self._rank})
+        return KVTailWorkerMeta(inner=inner, confirmed=dict.fromkeys(zeroed, mine), ranks=mine)
 
     def fence(self) -> None:
         """Before the inner connector starts a load, earlier zeroing has executed.
@@ -322,6 +327,7 @@ class TailWorker:
             return set()
         batches: list[_Zeroing] = []
         vouched: list[_Zeroing] = []
+        vouched_records: list[LoadRecord] = []
         tails = 0  # requests
         for pending in done:
             record = pending.record
@@ -339,12 +345,13 @@ class TailWorker:
                 batch = pending.tails or self._zeroing(record.req_id, self._tail_items(record))
                 if record.vouched:
                     vouched.append(batch)
+                    vouched_records.append(record)
                     continue
                 if batch.lines:
                     batches.append(batch)
                 tails += self._has_tail(record)
         self._count_tails(tails)
-        batches += self._check_vouched(vouched, [p.record for p in done if p.record.vouched])
+        batches += self._check_vouched(vouched, vouched_records)
         self._zero(batches)
         return {b.owner for b in batches if b.lines}
 

@@ -298,8 +298,7 @@ def _producer_params(request: Request, block_ids: list[list[int]]) -> dict[str, 
 class AsyncLoadDoubleAdapter(InnerAdapter):
     """The double stands in for a peer transport that copies whole blocks."""
 
-    @property
-    def carries_producer_tail(self) -> bool:
+    def carries_producer_tail(self, vllm_config: Any) -> bool:
         return True
 
 

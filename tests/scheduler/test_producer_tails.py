@@ -182,20 +182,35 @@ class TPProducer:
         monkeypatch.setattr(_compat, "worker_count", lambda _p: ranks)
         self.h = producer()
         self.workers = [self.h.worker]
-        for _ in range(ranks - 1):
-            w = make_worker_connector(self.h.vllm_config, self.h.kv_cache_config)
+        for rank in range(1, ranks):
+            with monkeypatch.context() as patch:
+                patch.setattr(_compat, "worker_rank", lambda r=rank: r)
+                w = make_worker_connector(self.h.vllm_config, self.h.kv_cache_config)
             w.register_kv_caches(allocate(self.h.kv_cache_config).views)
             self.workers.append(w)
         self.aggregator = KVOutputAggregator(ranks)
 
-    def step(self) -> dict[str, Any]:
+    def step(self, replayed_for: tuple[int, int] | None = None) -> dict[str, Any]:
+        """One step; ``replayed_for=(missing, replayed)``: the missing rank's
+        metadata is replaced by another rank's, folded in twice (a degraded
+        worker set whose saved output is replayed, as 0.33's fault-tolerant
+        aggregation can)."""
         s = self.h.scheduler
         out = s.schedule()
         outputs = [
             make_model_runner_output(out, scheduler=s, kv_connector_output=run_worker_step(w, out))
             for w in self.workers
         ]
-        return finished_params(s.update_from_output(out, self.aggregator.aggregate(outputs)))
+        metas = [o.kv_connector_output.kv_connector_worker_meta for o in outputs]
+        if replayed_for is not None:
+            missing, replayed = replayed_for
+            metas[missing] = metas[replayed]
+        folded = self.aggregator.aggregate(outputs)
+        agg = metas[0]
+        for m in metas[1:]:
+            agg = agg.aggregate(m)
+        folded.kv_connector_output.kv_connector_worker_meta = agg
+        return finished_params(s.update_from_output(out, folded))
 
 
 def test_every_rank_must_confirm_and_one_that_did_not_zero_withholds_the_claim(monkeypatch):
@@ -211,6 +226,33 @@ def test_every_rank_must_confirm_and_one_that_did_not_zero_withholds_the_claim(m
     tp.h.scheduler.schedule()
     assert tp.h.scheduler.connector.scheduler_state_is_empty()
     assert all(w.scheduler_state_is_empty() for w in tp.workers)
+
+
+def test_a_replayed_output_cannot_stand_in_for_a_rank_that_did_not_zero(monkeypatch):
+    tp = TPProducer(monkeypatch, ranks=4)
+    tp.workers[3].unregister_kv_caches()  # rank 3 zeroes nothing
+    tp.h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    # Rank 0's metadata folded in twice instead of rank 3's: four confirmations
+    # from three ranks.
+    assert entry.KEY not in tp.step(replayed_for=(3, 0))["p1"]
+
+
+def test_no_claim_for_a_request_preempted_after_its_tail_was_zeroed():
+    # Async scheduling can preempt a request after the step that zeroed its
+    # tail was scheduled (its blocks freed); the output of that step still
+    # finishes it. The claim must not survive the preemption.
+    h = producer()
+    h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    out = h.scheduler.schedule()
+    kv_out = run_worker_step(h.worker, out)
+    request = h.scheduler.requests["p1"]
+    request.num_preemptions += 1  # what _preempt_request does, with its num_computed_tokens = 0
+    request.num_computed_tokens = 0
+    # The step's token, as the runner sampled it (it ran before the preemption).
+    runner = make_model_runner_output(out, kv_connector_output=kv_out)
+    params = finished_params(h.scheduler.update_from_output(out, runner))
+    assert "p1" in params, "the stale output still finishes the request"
+    assert entry.KEY not in (params["p1"] or {})
 
 
 # ------------------------------------------------------------------ consumer
