@@ -33,7 +33,8 @@ _MARKER = ".kvtail-model.json"
 # Bump when what a builder writes changes, so cached folders get rebuilt.
 _BUILD_VERSION = 1
 
-_WORDS = [
+# The tiny tokenizer is trained on these words (most end up one token each).
+WORDS = [
     "the",
     "a",
     "one",
@@ -93,7 +94,7 @@ def _synthetic_corpus(n_lines: int = 2000) -> Iterator[str]:
     """Deterministic pseudo-sentences, enough for BPE to learn ~250 merges."""
     rng = random.Random(SEED)
     for i in range(n_lines):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
         yield f"{' '.join(words).capitalize()} {i % 97}."
 
 

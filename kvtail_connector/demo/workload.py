@@ -16,50 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtail_connector.demo.tiny_model import WORDS
+
 Kind = Literal["completion", "chat"]
 
-# Reuse the tiny tokenizer's training words (most are one token each).
-_WORDS = (
-    "cache",
-    "block",
-    "slot",
-    "tail",
-    "token",
-    "prefill",
-    "decode",
-    "engine",
-    "model",
-    "layer",
-    "head",
-    "key",
-    "value",
-    "page",
-    "memory",
-    "transfer",
-    "remote",
-    "local",
-    "write",
-    "read",
-    "zero",
-    "stale",
-    "byte",
-    "float",
-    "attention",
-    "state",
-    "load",
-    "save",
-    "store",
-    "hit",
-    "miss",
-    "request",
-    "river",
-    "stone",
-    "cloud",
-    "light",
-    "green",
-    "blue",
-    "red",
-)
+# The tiny tokenizer's training words: prompts of known token counts.
+_WORDS = tuple(WORDS)
 
 
 @dataclass(frozen=True)
