@@ -27,6 +27,7 @@ import torch
 
 from kvtail_connector.ops import digest_torch
 from kvtail_connector.ops.digest_plan import (
+    HEADER,
     MODE_VECTORS,
     DigestGroup,
     GroupRows,
@@ -53,9 +54,12 @@ __all__ = [
 DEFAULT_SEGMENT = 1024
 MIN_SEGMENT = 256
 Backend = Literal["auto", "triton", "torch"]
-# Elements of one tile; its (slots, words) shape is chosen per digester.
-TILE = 2048
+# Lanes of one tile; its (slots, words) shape is chosen per digester. With
+# 4 warps that is 8 words per thread, which ptxas fits in 64 registers
+# without spills (sm_90, Triton 3.6), so 8 programs fill an SM's registers.
+TILE = 1024
 NUM_WARPS = 4
+MAX_REGISTERS = 64
 PROGRAMS_PER_SM = 8
 _INTERPRETER_PROGRAMS = 4
 _TILE_WORDS = (256, 128, 64, 32, 16, 8)
@@ -173,8 +177,9 @@ class KVDigester:
             any block size <= 256).
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA, torch otherwise.
-        tile, num_warps, programs_per_sm: launch tuning (benchmarks only);
-            ``tile`` is a ``(slots, words)`` pair of powers of two.
+        tile, num_warps, programs_per_sm, max_registers: launch tuning
+            (benchmarks only); ``tile`` is a ``(slots, words)`` pair of powers
+            of two; ``max_registers`` caps ptxas (0: no cap).
 
     Raises:
         ValueError: naming the field, for invalid groups or options.
@@ -187,8 +192,9 @@ class KVDigester:
         segment: int = DEFAULT_SEGMENT,
         backend: Backend = "auto",
         tile: tuple[int, int] | None = None,
-        num_warps: int = NUM_WARPS,
+        num_warps: int | None = None,
         programs_per_sm: int = PROGRAMS_PER_SM,
+        max_registers: int | None = None,
     ) -> None:
         if isinstance(groups, DigestGroup):
             raise ValueError("groups: expected a sequence of DigestGroup, got a single one")
@@ -227,7 +233,12 @@ class KVDigester:
         # Compile only the load paths and the DCP mapping some row needs.
         self._any_mode = any(r.mode != MODE_VECTORS for r in all_rows)
         self._dcp_split = any(g.dcp[1] > 1 and g.dcp[2] > 1 for g in self._groups)
-        self.num_warps = num_warps
+        lanes = self.tile[0] * self.tile[1]
+        self.num_warps = num_warps or max(1, min(NUM_WARPS, lanes // 256))
+        # The general load paths need more registers than the cap allows.
+        if max_registers is None:
+            max_registers = 0 if self._any_mode else MAX_REGISTERS
+        self._launch_options = {"maxnreg": max_registers} if max_registers else {}
         self._programs = _INTERPRETER_PROGRAMS
         if self.device.type == "cuda":
             index = self.device.index if self.device.index is not None else 0
@@ -246,6 +257,15 @@ class KVDigester:
     def heads(self, group: int) -> tuple[int, ...]:
         """Global KV heads of group ``group`` this rank counts."""
         return self._groups[group].heads
+
+    def warmup(self) -> None:
+        """Compile the kernel for this digester (no cache byte is read)."""
+        if self.backend == "triton":
+            work = np.zeros(HEADER, dtype=np.int64)  # no kinds, no units
+            work[2] = HEADER
+            self._launch(torch.from_numpy(work).to(self.device), 0)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
 
     def digest(self, requests: Sequence[Sequence[GroupSpan | None]]) -> PendingDigest:
         """Digest the spans of ``requests`` (per request, per group: a
@@ -324,6 +344,7 @@ class KVDigester:
             ANY_MODE=self._any_mode,
             DCP_SPLIT=self._dcp_split,
             num_warps=self.num_warps,
+            **(self._launch_options if self.device.type == "cuda" else {}),
         )
 
 

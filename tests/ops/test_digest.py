@@ -367,29 +367,36 @@ def test_empty_work_launches_nothing(monkeypatch):
                 assert g is None or not g.sums.any()
 
 
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.gpu
-def test_cuda_result_arrives_through_an_event_without_a_sync():
+@pytest.mark.parametrize(
+    ("heads", "slots", "content", "dtype"),
+    [(8, 16, 256, torch.bfloat16), (1, 64, 576, torch.float8_e4m3fn)],
+    ids=["bf16-8x128d-bs16", "fp8-mla576-bs64"],
+)
+def test_cuda_result_arrives_through_an_event(heads, slots, content, dtype):
     b = to_device(
         make_backing(
             "LBHNC",
-            num_layers=8,
+            num_layers=6,
             num_pages=256,
-            heads=8,
-            slots=16,
-            content=256,
-            dtype=torch.bfloat16,
+            heads=heads,
+            slots=slots,
+            content=content,
+            dtype=dtype,
         ),
         "cuda",
     )
     digester = KVDigester([DigestGroup(b.views)])
-    requests = [[GroupSpan(blocks(256, 12), 0, 4000)]]
+    digester.warmup()
+    table = blocks(256, 12)
+    requests = [[GroupSpan(table[:128], 0, 128 * slots - 3)], [GroupSpan(table[128:], 5, 2100)]]
     pending = digester.digest(requests)
     assert pending.launched and pending.event is not None
     got = pending.result()
-    torch_path = KVDigester([DigestGroup(b.views)], backend="torch").digest(requests).result()
-    assert (got[0][0].sums == torch_path[0][0].sums).all()
     assert pending.ready()
+    torch_path = KVDigester([DigestGroup(b.views)], backend="torch").digest(requests).result()
+    for r_got, r_ref in zip(got, torch_path, strict=True):
+        assert (r_got[0].sums == r_ref[0].sums).all()
 
 
 # --------------------------------------------------------------- validation
