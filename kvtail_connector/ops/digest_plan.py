@@ -135,18 +135,6 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _served(region: Any, n: int) -> tuple[int, int, int]:
-    """(first page slot, slots served, slot step) of a page region.
-
-    Regions that serve every slot have no such fields (``ops/geometry.py``
-    before slot ranges); the defaults describe them.
-    """
-    first = int(getattr(region, "first_slot", 0))
-    step = int(getattr(region, "slot_step", 1))
-    count = getattr(region, "n_slots", None)
-    return first, (-(-(n - first) // step) if count is None else int(count)), step
-
-
 @dataclass
 class GroupRows:
     """A validated :class:`DigestGroup` and its rows."""
@@ -216,7 +204,7 @@ def group_rows(group: DigestGroup, index: int) -> GroupRows:
             plane = _plane(group_id, layer, head_offset)
             word_base = 0
             for region in cache.regions:
-                first, count, step = _served(region, n)
+                first, count, step = region.first_slot, region.count(n), region.slot_step
                 for j, page in enumerate(page_bases):
                     rows.append(
                         Row(

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from kvtail_connector.ops.geometry import RegionCache
+from kvtail_connector.ops.geometry import PageRegion, RegionCache
 
 ALGORITHM = "mix64-1"
 MASK64 = (1 << 64) - 1
@@ -79,15 +79,13 @@ def word_terms(key_base: int, data: bytes, first_word: int) -> int:
     return total & MASK64
 
 
-def _region_served(region: Any, n: int, page_slot: int) -> int | None:
+def _region_served(region: PageRegion, n: int, page_slot: int) -> int | None:
     """Index among the region's served slots of ``page_slot``, or None."""
-    first = getattr(region, "first_slot", 0)
-    step = getattr(region, "slot_step", 1)
-    count = getattr(region, "n_slots", None)
+    first, step = region.first_slot, region.slot_step
     if page_slot < first or (page_slot - first) % step:
         return None
     k = (page_slot - first) // step
-    limit = -(-(n - first) // step) if count is None else count
+    limit = -(-(n - first) // step) if region.n_slots is None else region.n_slots
     return k if k < limit else None
 
 

@@ -181,37 +181,18 @@ def test_region_caches_and_several_groups_in_one_launch():
     assert expected[2][0] == {0: [0], 1: [0]}
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotRange:
-    """A page region serving an arithmetic run of slots (as ops/geometry.py's
-    PageRegion does with slot ranges): every ``slot_step``-th slot from
-    ``first_slot``, the k-th at ``offset + k * slot_stride``."""
-
-    offset: int
-    slot_bytes: int
-    slot_stride: int
-    first_slot: int
-    n_slots: int | None
-    slot_step: int
-
-    @property
-    def stride(self) -> int:
-        return self.slot_stride
-
-
 def test_regions_over_slot_ranges():
-    # 24-byte slots: 12 bytes of each even slot, then of each odd slot,
-    # interleaved in the first half of the page; 12 more bytes of every slot
-    # in the second half.
+    # 20-byte slots: all even slots' 12-byte runs, then all odd slots'; then
+    # 8 more bytes of every slot (a writer interleaving slots, like AMX tiles).
     b = make_backing(
-        "LBHNC", num_layers=2, num_pages=6, heads=1, slots=16, content=24, dtype=torch.uint8
+        "LBHNC", num_layers=2, num_pages=6, heads=1, slots=16, content=20, dtype=torch.uint8
     )
     regions = (
-        SlotRange(0, 12, 24, 0, 8, 2),
-        SlotRange(12, 12, 24, 1, None, 2),
-        SlotRange(192, 12, 12, 0, None, 1),
+        PageRegion(0, 12, first_slot=0, n_slots=8, slot_step=2),
+        PageRegion(96, 12, first_slot=1, slot_step=2),
+        PageRegion(192, 8),
     )
-    caches = [RegionCache(v, 16, regions) for v in b.views]  # type: ignore[arg-type]
+    caches = [RegionCache(v, 16, regions) for v in b.views]
     check_paths([DigestGroup(caches)], [b.raw], [[GroupSpan(blocks(6, 7), 3, 93)]])
 
 
@@ -443,4 +424,3 @@ def test_key_constants_do_not_collide_for_nearby_coordinates():
             assert (1 << 20) <= dt <= (1 << 64) - (1 << 20), dw
     assert ALGORITHM == "mix64-1"
     assert digest_mod.DEFAULT_SEGMENT == 1024
-    assert PageRegion(0, 4).stride == 4  # the region type the digest reads
