@@ -147,12 +147,22 @@ def kv_digest_kernel(
                             SLOTS,
                             WORDS,
                         )
+                        word_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+                        key = slot_key[:, None] + word_key[None, :]
+                        term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
+                        acc += tl.where(mask, term, 0)
+                    elif s0 + SLOTS <= k_hi and w0 + WORDS <= n_words:
+                        # A full tile (the usual case): no masks, no selects.
+                        x = _load_vectors_full(rw, addr, ks, ws)
+                        word_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+                        key = slot_key[:, None] + word_key[None, :]
+                        acc += fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
                     else:
                         mask, x = _load_vectors(rw, addr, ks, ws, s_mask)
-                    word_key = (word_base + ws).to(tl.uint64) * WORD_MUL
-                    key = slot_key[:, None] + word_key[None, :]
-                    term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
-                    acc += tl.where(mask, term, 0)
+                        word_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+                        key = slot_key[:, None] + word_key[None, :]
+                        term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
+                        acc += tl.where(mask, term, 0)
         if cell >= 0:
             tl.atomic_add(out_ptr + cell, tl.sum(acc).to(tl.int64, bitcast=True))
 
@@ -169,6 +179,14 @@ def _load_vectors(rw, addr, ks, ws, s_mask):
     p32 = tl.multiple_of(addr.to(tl.pointer_type(tl.int32)), 16)
     mask = s_mask[:, None] & (ws < n_words)[None, :]
     return mask, tl.load(p32 + ks[:, None] * slot_stride + ws[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _load_vectors_full(rw, addr, ks, ws):
+    """:func:`_load_vectors` of a tile whose slots and words are all valid."""
+    slot_stride = tl.multiple_of(tl.load(rw + 2).to(tl.int32), 4)
+    p32 = tl.multiple_of(addr.to(tl.pointer_type(tl.int32)), 16)
+    return tl.load(p32 + ks[:, None] * slot_stride + ws[None, :])
 
 
 @triton.jit
