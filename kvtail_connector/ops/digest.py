@@ -39,6 +39,7 @@ from kvtail_connector.ops.digest_plan import (
     work_buffer,
 )
 from kvtail_connector.ops.digest_reference import ALGORITHM
+from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.staging import PinnedStaging
 
 __all__ = [
@@ -198,8 +199,7 @@ class KVDigester:
     ) -> None:
         if isinstance(groups, DigestGroup):
             raise ValueError("groups: expected a sequence of DigestGroup, got a single one")
-        if isinstance(segment, bool) or not isinstance(segment, int):
-            raise ValueError(f"segment: expected an int, got {segment!r}")
+        segment = as_int("segment", segment)
         if segment < MIN_SEGMENT or segment & (segment - 1):
             raise ValueError(f"segment: must be a power of two >= {MIN_SEGMENT}, got {segment}")
         self.segment = segment

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ import torch
 from kvtail_connector.ops.dcp import dcp_local_valid_slots
 from kvtail_connector.ops.digest_reference import MASK64, SEED
 from kvtail_connector.ops.geometry import RegionCache, describe_caches
+from kvtail_connector.ops.integers import as_int, int_rows
 
 CacheLike = torch.Tensor | RegionCache
 
@@ -127,14 +127,6 @@ def _plane(group: int, layer: int, head: int) -> int:
     return _fmix64(_fmix64(_fmix64(SEED ^ group) ^ layer) ^ head)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}: expected an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
-    return int(value)
-
-
 @dataclass
 class GroupRows:
     """A validated :class:`DigestGroup` and its rows."""
@@ -162,15 +154,15 @@ def group_rows(group: DigestGroup, index: int) -> GroupRows:
     name = f"groups[{index}]"
     if not isinstance(group, DigestGroup):
         raise ValueError(f"{name}: expected a DigestGroup, got {type(group).__name__}")
-    p = group.pages_per_block
+    p = as_int(f"{name}.pages_per_block", group.pages_per_block, minimum=1)
     try:
         geoms = describe_caches(group.caches, p)
     except ValueError as e:
         raise ValueError(f"{name}.{e}") from None
-    group_id = _check_int(
-        f"{name}.group_id", index if group.group_id is None else group.group_id, 0
+    group_id = as_int(
+        f"{name}.group_id", index if group.group_id is None else group.group_id, minimum=0
     )
-    head_offset = _check_int(f"{name}.head_offset", group.head_offset, 0)
+    head_offset = as_int(f"{name}.head_offset", group.head_offset, minimum=0)
     try:
         dcp_local_valid_slots(0, group.dcp_rank, group.dcp_world_size, group.interleave)
     except ValueError as e:
@@ -184,9 +176,12 @@ def group_rows(group: DigestGroup, index: int) -> GroupRows:
         )
     local_heads = [1 if isinstance(c, RegionCache) else int(c.shape[1]) for c in group.caches]
     num_heads = max(local_heads, default=0)
-    counted = list(range(num_heads)) if group.counted_heads is None else list(group.counted_heads)
+    counted = (
+        list(range(num_heads))
+        if group.counted_heads is None
+        else [as_int(f"{name}.counted_heads", h, minimum=0) for h in group.counted_heads]
+    )
     for h in counted:
-        _check_int(f"{name}.counted_heads", h, 0)
         if h >= num_heads:
             raise ValueError(f"{name}.counted_heads: head {h} out of range [0, {num_heads})")
     if len(set(counted)) != len(counted):
@@ -257,7 +252,7 @@ def group_rows(group: DigestGroup, index: int) -> GroupRows:
         group_id=group_id,
         slots_per_block=per_block.pop() if per_block else 0,
         num_blocks=min((g.num_pages // p for g in geoms), default=0),
-        dcp=(group.dcp_rank, group.dcp_world_size, group.interleave),
+        dcp=(int(group.dcp_rank), int(group.dcp_world_size), int(group.interleave)),
         heads=tuple(head_offset + h for h in counted),
         rows=rows,
     )
@@ -307,8 +302,8 @@ def span_items(
     Raises:
         ValueError: naming ``name``: a bad range, or a block id out of range.
     """
-    start = _check_int(f"{name}.start", span.start, 0)
-    end = _check_int(f"{name}.end", span.end, start)
+    start = as_int(f"{name}.start", span.start, minimum=0)
+    end = as_int(f"{name}.end", span.end, minimum=start)
     eb = g.tokens_per_block
     blocks_needed = -(-end // eb) if eb else 0
     if blocks_needed > len(span.block_ids):
@@ -319,10 +314,7 @@ def span_items(
     n_seg = -(-end // segment)
     if start == end or not g.rows:
         return np.zeros((0, ITEM_COLS), dtype=np.int64), n_seg
-    try:
-        table = np.asarray(span.block_ids[start // eb : blocks_needed], dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"{name}.block_ids: expected integers ({e})") from None
+    table = int_rows(span.block_ids[start // eb : blocks_needed], 1, f"{name}.block_ids")[:, 0]
     bad = (table < 0) | (table >= g.num_blocks)
     if bad.any():
         block = int(table[int(np.argmax(bad))])

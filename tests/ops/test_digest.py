@@ -400,10 +400,25 @@ def test_bad_input_names_the_field():
         (lambda: KVDigester([ok]).digest([[GroupSpan([0, 4], 0, 17)]]), "block id 4"),
         (lambda: KVDigester([ok]).digest([[GroupSpan([0], 9, 3)]]), "requests[0][0].end"),
         (lambda: KVDigester([ok]).digest([[None, None]]), "requests[0]"),
+        # The kernel API's integer rule: no bools, no floats.
+        (lambda: KVDigester([ok], segment=1024.0), "segment"),
+        (lambda: KVDigester([dataclasses.replace(ok, counted_heads=[True])]), "counted_heads"),
+        (lambda: KVDigester([ok]).digest([[GroupSpan([1.0], 0, 5)]]), "block_ids[0]"),
+        (lambda: KVDigester([ok]).digest([[GroupSpan([1], 0, 5.0)]]), "requests[0][0].end"),
     ]
     for call, field in cases:
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
             call()
+
+
+def test_numpy_and_tensor_integers_are_accepted():
+    b = make_backing(
+        "LBHNC", num_layers=1, num_pages=4, heads=2, slots=16, content=8, dtype=torch.bfloat16
+    )
+    group = DigestGroup(b.views, counted_heads=np.array([1, 0]), head_offset=np.int64(2))
+    plain = [[GroupSpan([3, 1], 2, 30)]]
+    typed = [[GroupSpan(torch.tensor([3, 1]), np.int64(2), torch.tensor(30))]]
+    assert as_dicts(digest([group], typed, "torch")) == as_dicts(digest([group], plain, "torch"))
 
 
 def test_block_ids_outside_the_span_are_not_read():
