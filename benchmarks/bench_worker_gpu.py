@@ -7,6 +7,11 @@ only), as a ratio to launching an empty Triton kernel in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_worker_gpu.py [--json out.json]
 
+The last table is ``verify_kv: digest``: what P adds per step (digest
+records bound, the digest launched in the hook, the worker metadata, its sums
+read back) and what D adds (loads with a digest completing: the digest
+launched, held, compared), per request size.
+
 The GPU machine has no vLLM; the worker module imports two vLLM base classes
 and a logger, which ``benchmarks/vllm_stub`` provides there (nothing else of
 vLLM runs on this path).
@@ -30,9 +35,17 @@ except ImportError:
 
 import triton  # noqa: E402
 from bench_zeroing import _noop, make_cache  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorTransferResults,
+)
 
 from kvtail_connector.kvgroups import GroupInfo  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.metadata import (  # noqa: E402
+    ExpectedDigest,
+    GroupLoad,
+    KVTailMetadata,
+    LoadRecord,
+)
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
@@ -66,7 +79,9 @@ def host_time(fn, reps: int, before=None) -> float:
     return median_us(out)
 
 
-def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = False) -> TailWorker:
+def build_worker(
+    layers: int, num_blocks: int, *, read_tails_by_layer: bool = False, digest: bool = False
+) -> TailWorker:
     _raw, views = make_cache(layers, num_blocks, 8, BLOCK_TOKENS, 256, torch.bfloat16)
     names = [f"layer.{i}" for i in range(layers)]
     spec = SimpleNamespace(block_size=BLOCK_TOKENS, tokens_per_state=1)
@@ -88,6 +103,8 @@ def build_worker(layers: int, num_blocks: int, *, read_tails_by_layer: bool = Fa
             probe=False,
             vouch_tails=True,
             producer_hook="wait_for_save",
+            digest_prompts=digest,
+            verify_loads=digest,
         ),
         stats=KVTailStats(),
     )
@@ -182,6 +199,100 @@ def producer_rows(reps: int) -> list[dict]:
     return rows
 
 
+def digest_records(n: int, tokens: int, num_blocks: int) -> tuple[LoadRecord, ...]:
+    """``n`` prompts of ``tokens`` tokens each, every block of them."""
+    per = -(-tokens // BLOCK_TOKENS)
+    return tuple(
+        LoadRecord(
+            f"d{i}",
+            0,
+            tokens,
+            (GroupLoad(0, 0, tuple((per * i + j) % num_blocks for j in range(per))),),
+        )
+        for i in range(n)
+    )
+
+
+def digest_rows(reps: int) -> list[dict]:
+    """``verify_kv: digest``. P: bind its digest records, the hook (digest
+    launch and read-back enqueued), the worker metadata, reading the sums
+    (waits for the device). D: loads carrying P's digest complete (digest
+    launched, held, compared in ``transfer_results``)."""
+    layers, num_blocks = 80, 1024
+    worker = build_worker(layers, num_blocks, digest=True)
+    rows = []
+    for n, tokens in ((1, 1024), (1, 8192), (16, 1024)):
+        recs = digest_records(n, tokens, num_blocks)
+        meta = KVTailMetadata(inner=None, producer_digests=recs)  # type: ignore[arg-type]
+        parts: dict = {}
+
+        def produce(meta=meta, parts=parts):
+            worker.bind(meta)
+            worker.zero_producer_tails()
+            parts.update(worker.worker_meta(None).digests)
+
+        def read_back(parts=parts):
+            for part in parts.values():
+                part.sums()
+
+        produce()
+        read_back()
+        expected = {r.req_id: parts[r.req_id].digest() for r in recs}
+        p_host = host_time(produce, reps)
+        p_read = host_time(lambda: (produce(), read_back()), reps)
+        p_dev = sorted(device_us(produce) for _ in range(11))[5]
+        loads = tuple(
+            LoadRecord(
+                r.req_id, 0, tokens, r.groups, expected=ExpectedDigest(tokens, expected[r.req_id])
+            )
+            for r in recs
+        )
+        load_meta = KVTailMetadata(inner=None, loads=loads)  # type: ignore[arg-type]
+        finished = {r.req_id for r in loads}
+        done = KVConnectorTransferResults(finished_recving=finished)
+
+        def bind(meta=load_meta):
+            worker.bind(meta)
+
+        def complete(done=done):
+            return worker.transfer_results(done, set(), _NoLoadErrors())
+
+        def drain(out):
+            failed = set(out.failed_recving)
+            while worker._digests.held:  # held: the next passes release them
+                out = worker.transfer_results(KVConnectorTransferResults(), set(), _NoLoadErrors())
+                failed |= out.failed_recving
+            assert not failed, "the digest must match"
+            worker.worker_meta(None)
+
+        def verify():
+            drain(complete())
+
+        bind()
+        verify()
+        # The completion pass alone (digest launched, held), then until released.
+        d_launch = host_time(
+            complete, reps, before=lambda: (drain(KVConnectorTransferResults()), bind())
+        )
+        drain(KVConnectorTransferResults())
+        d_host = host_time(verify, reps, before=bind)
+        d_dev = sorted(device_us(verify) for _ in range(11))[5]
+        rows.append(
+            dict(
+                prompts=n,
+                tokens=tokens,
+                layers=layers,
+                p_host_us=p_host,
+                p_with_read_us=p_read,
+                p_device_us=p_dev,
+                d_launch_us=d_launch,
+                d_host_us=d_host,
+                d_device_us=d_dev,
+            )
+        )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json")
@@ -245,10 +356,32 @@ def main() -> int:
             f"| {r['prompts']} | {r['host_us']:.1f} | {r['host_us'] / bare:.2f} | "
             f"{r['device_us']:.1f} |"
         )
+    digest = digest_rows(max(args.reps // 10, 20))
+    print()
+    print("verify_kv: digest, 80 layers, 8 KV heads x 256 bf16. P host: bind + hook + worker")
+    print("metadata (then with the sums read back, which waits for the device); D: the completion")
+    print("pass (digest launched, held), then completion until released (waits for the device)")
+    print(
+        "| prompts | tokens each | P host µs | P host µs with read-back | P device µs "
+        "| D completion µs (host) | D until released µs | D device µs |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in digest:
+        print(
+            f"| {r['prompts']} | {r['tokens']} | {r['p_host_us']:.1f} | "
+            f"{r['p_with_read_us']:.1f} | {r['p_device_us']:.1f} | {r['d_launch_us']:.1f} | "
+            f"{r['d_host_us']:.1f} | {r['d_device_us']:.1f} |"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                dict(bare_launch_us=bare, rows=rows, read_rows=read_rows, producer=producer),
+                dict(
+                    bare_launch_us=bare,
+                    rows=rows,
+                    read_rows=read_rows,
+                    producer=producer,
+                    digest=digest,
+                ),
                 indent=1,
             )
         )

@@ -246,6 +246,21 @@ def counts_requests_on_this_rank() -> bool:
     return all(g.rank_in_group == 0 for g in groups)
 
 
+def kv_head_placement(vllm_config: Any) -> tuple[int, int, int]:
+    """``(tp_rank, tp_size, total_kv_heads)`` of this worker (0.32 and 0.33):
+    the KV digest keys heads by their global index. MLA caches hold one
+    latent for every head (1); without initialized model-parallel groups (a
+    single process, tests) the rank is 0."""
+    from vllm.distributed import parallel_state as ps
+
+    tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    rank = ps.get_tp_group().rank_in_group if ps.model_parallel_is_initialized() else 0
+    model = getattr(vllm_config, "model_config", None)
+    if model is None or getattr(model, "use_mla", False):
+        return rank, tp_size, 1
+    return rank, tp_size, int(model.get_total_num_kv_heads())
+
+
 # vLLM's ROCm AITER FlashAttention backend reports get_name() "FLASH_ATTN":
 # it is told apart by its class path (AttentionBackendEnum.ROCM_AITER_FA).
 _AITER_FA_CLASS = "vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend"

@@ -31,6 +31,8 @@ _FIELD_HELP = {
     "probe_stale_tails": "true or false (a JSON boolean, not a string or a number)",
     "vouch_tails": 'one of "auto" (producers zero and vouch for their prompt tails, consumers '
     'trust a matching claim) or "off"',
+    "verify_kv": 'one of "off" or "digest" (producers send a digest of each remote-decode '
+    "prompt's KV, consumers check what they loaded and report a mismatch as a failed load)",
 }
 
 
@@ -67,6 +69,14 @@ class KVTailConfig(BaseModel):
             the request's ``kv_transfer_params``; a consumer that gets a valid
             entry with its own geometry skips that request's tail zeroing.
             ``off``: neither (a consumer then zeroes as if no entry came).
+        verify_kv: ``digest``: a producer digests each remote-decode prompt's
+            KV in the step that completes it (per KV cache group, global KV
+            head and token segment) and adds the sums to its ``kvtail`` entry;
+            a consumer digests what an async load wrote, holds the completion
+            until the sums are on the host, and reports a mismatch as a failed
+            load (vLLM's ``kv_load_failure_policy`` applies). ``off`` (the
+            default): neither. Refused at start-up where it cannot work (see
+            :func:`~kvtail_connector.policy.resolve_policy`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -78,6 +88,7 @@ class KVTailConfig(BaseModel):
     # Strict: "yes", "false" or 1 would otherwise parse as booleans.
     probe_stale_tails: StrictBool = False
     vouch_tails: Literal["auto", "off"] = "auto"
+    verify_kv: Literal["off", "digest"] = "off"
 
     @field_validator("backend", "backend_module_path")
     @classmethod

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtail_connector import _compat, entry, inner_connector
 from kvtail_connector.config import KVTailConfig
+from kvtail_connector.kv_digests import HeadPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
@@ -64,6 +65,15 @@ def _vouch_summary(policy: Any) -> str:
     if policy.trust_vouched:
         parts.append("trusting matching producer claims")
     return ", ".join(parts) or "no claims made or trusted"
+
+
+def _verify_summary(policy: Any) -> str:
+    parts = []
+    if policy.digest_prompts:
+        parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
+    if policy.verify_loads:
+        parts.append("verifying loads against the producer's digest")
+    return ", ".join(parts) or "nothing digested"
 
 
 class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
@@ -117,6 +127,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             is_producer=bool(transfer.is_kv_producer),
             carries_producer_tail=adapter.carries_producer_tail(vllm_config),
             producer_hook=_compat.producer_tail_hook(vllm_config),  # type: ignore[arg-type]
+            dcp_world_size=_compat.dcp_world_size(vllm_config.parallel_config),
+            pipeline_parallel_size=int(vllm_config.parallel_config.pipeline_parallel_size),
         )
         self._policy = policy
         parallel = vllm_config.parallel_config
@@ -154,11 +166,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 counts_requests=_compat.counts_requests_on_this_rank(),
                 rank=_compat.worker_rank(),
                 stats=self._stats,
+                heads=HeadPlacement(*_compat.kv_head_placement(vllm_config))
+                if policy.digest_prompts or policy.verify_loads
+                else None,
             )
         zero = policy.zero_tails
         logger.info(
             "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
-            "probe_stale_tails=%s; vouch_tails=%s -> %s",
+            "probe_stale_tails=%s; vouch_tails=%s -> %s; verify_kv=%s -> %s",
             role.name.lower(),
             cfg.backend,
             cfg.zero_tails,
@@ -167,6 +182,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             cfg.probe_stale_tails,
             cfg.vouch_tails,
             _vouch_summary(policy),
+            cfg.verify_kv,
+            _verify_summary(policy),
         )
 
     @property

@@ -8,6 +8,8 @@ KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
   1: LoadRecord(req_id, num_local, num_loaded, groups), GroupLoad(group,
      first_block, block_ids); KVTailMetadata(inner, loads, read_loads).
   2: LoadRecord.vouched; KVTailMetadata.producer_tails; KVTailWorkerMeta.
+  3: LoadRecord.expected; KVTailMetadata.producer_digests;
+     KVTailWorkerMeta.digests and verdicts (``verify_kv``).
 
 This protocol is in-process (scheduler <-> workers of one engine); what
 crosses from a producer to a consumer is the ``kvtail`` entry
@@ -16,6 +18,7 @@ crosses from a producer to a consumer is the ``kvtail`` entry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-KVTAIL_PROTOCOL_VERSION = 2
+from kvtail_connector.entry import Digest, Sums
+
+KVTAIL_PROTOCOL_VERSION = 3
+MASK64 = (1 << 64) - 1
 
 NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
 
@@ -47,6 +53,15 @@ class GroupLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectedDigest:
+    """What a consumer checks a load against: the producer's digest of
+    tokens ``[0, num_tokens)`` (its entry's ``n`` and ``dg``)."""
+
+    num_tokens: int
+    digest: Digest
+
+
+@dataclass(frozen=True, slots=True)
 class LoadRecord:
     """One load: tokens ``[num_local, num_loaded)`` of ``req_id`` arrive.
 
@@ -57,7 +72,11 @@ class LoadRecord:
     (a matching ``kvtail`` entry): workers skip its zeroing. A producer's own
     tail record (``KVTailMetadata.producer_tails``) has ``num_local == 0``,
     ``num_loaded`` = the prompt length, and only the block holding the prompt's
-    last token in each group with a partial last block.
+    last token in each group with a partial last block; a producer's digest
+    record (``KVTailMetadata.producer_digests``) has every block of the prompt.
+
+    ``expected``: the producer's digest the consumer verifies the load against
+    (``verify_kv: digest``), or None.
     """
 
     req_id: str
@@ -65,6 +84,7 @@ class LoadRecord:
     num_loaded: int
     groups: tuple[GroupLoad, ...]
     vouched: bool = False
+    expected: ExpectedDigest | None = None
 
 
 @dataclass
@@ -79,6 +99,8 @@ class KVTailMetadata(KVConnectorMetadata):
             stale tail its blocks carry starts.
         producer_tails: remote-decode prompts completing this step (on a
             producer): tails the workers zero and confirm.
+        producer_digests: the same prompts with all their blocks (first
+            block 0), for the workers to digest (``verify_kv: digest``).
         version: :data:`KVTAIL_PROTOCOL_VERSION` of the sender.
     """
 
@@ -86,7 +108,95 @@ class KVTailMetadata(KVConnectorMetadata):
     loads: tuple[LoadRecord, ...] = ()
     read_loads: tuple[LoadRecord, ...] = ()
     producer_tails: tuple[LoadRecord, ...] = ()
+    producer_digests: tuple[LoadRecord, ...] = ()
     version: int = KVTAIL_PROTOCOL_VERSION
+
+
+class DigestPart:
+    """One request's digest sums from the worker ranks folded into it.
+
+    A rank's part may still be on its way to the host (a CUDA event behind a
+    non-blocking copy): ``resolve`` turns it into ints when first read, and
+    pickling (multiproc and Ray workers send their output to the scheduler's
+    process) reads it first, so only host ints ever cross a process.
+
+    Args:
+        algorithm, segment, signature: what the sums were made with (see
+            :class:`~kvtail_connector.entry.Digest`).
+        sums: group -> global KV head -> segment sums; or None with
+            ``resolve`` given.
+        resolve: returns the sums (waits for the device).
+        ranks: ranks folded into this part.
+    """
+
+    def __init__(
+        self,
+        algorithm: str,
+        segment: int,
+        signature: str,
+        sums: Sums | None = None,
+        resolve: Callable[[], Sums] | None = None,
+        ranks: int = 1,
+    ) -> None:
+        assert (sums is None) != (resolve is None), "sums or a way to them"
+        self.algorithm = algorithm
+        self.segment = segment
+        self.signature = signature
+        self.ranks = ranks
+        self._sums = sums
+        self._resolve = resolve
+
+    def sums(self) -> Sums:
+        if self._sums is None:
+            assert self._resolve is not None
+            self._sums, self._resolve = self._resolve(), None
+        return self._sums
+
+    def digest(self) -> Digest | None:
+        """The entry's ``dg``, or None where the ranks disagreed on what they digested."""
+        if not self.signature:
+            return None
+        return Digest(self.algorithm, self.segment, self.signature, self.sums())
+
+    def merged(self, other: DigestPart) -> DigestPart:
+        """Both parts' sums added (mod 2**64), per group, head and segment:
+        ranks hold disjoint heads (replicated ones are counted once)."""
+        same = (self.algorithm, self.segment, self.signature) == (
+            other.algorithm,
+            other.segment,
+            other.signature,
+        )
+        out: Sums = {g: dict(heads) for g, heads in self.sums().items()}
+        for g, heads in other.sums().items():
+            mine = out.setdefault(g, {})
+            for h, row in heads.items():
+                have = mine.get(h)
+                if have is None:
+                    mine[h] = row
+                elif len(have) != len(row):
+                    same = False
+                else:
+                    mine[h] = tuple((a + b) & MASK64 for a, b in zip(have, row, strict=True))
+        signature = self.signature if same else ""
+        return DigestPart(
+            self.algorithm, self.segment, signature, out, ranks=self.ranks + other.ranks
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            DigestPart,
+            (self.algorithm, self.segment, self.signature, self.sums(), None, self.ranks),
+        )
+
+
+# A rank's verdict on one verified load, and how ranks' verdicts combine.
+VERIFIED, MISMATCH, UNVERIFIED = "verified", "mismatch", "unverified"
+_VERDICT_RANK = {UNVERIFIED: 0, VERIFIED: 1, MISMATCH: 2}
+
+
+def combined_verdict(a: str, b: str) -> str:
+    """Any rank's mismatch wins; one rank that compared anything verifies."""
+    return a if _VERDICT_RANK[a] >= _VERDICT_RANK[b] else b
 
 
 @dataclass
@@ -103,11 +213,17 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
             inner connector's ``update_connector_output``).
         confirmed: request id -> ranks that zeroed its producer tail this step.
         ranks: ranks (vLLM world-group ranks) folded into this object.
+        digests: request id -> the digest sums of its prompt (producer,
+            ``verify_kv``), folded over the ranks that digested it.
+        verdicts: request id -> what the ranks that checked its load found
+            (consumer, ``verify_kv``): :data:`MISMATCH` if any rank did.
     """
 
     inner: KVConnectorWorkerMetadata | None = None
     confirmed: dict[str, frozenset[int]] = field(default_factory=dict)
     ranks: frozenset[int] = frozenset({0})
+    digests: dict[str, DigestPart] = field(default_factory=dict)
+    verdicts: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTailWorkerMeta):
@@ -122,4 +238,18 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
         confirmed = dict(self.confirmed)
         for req_id, ranks in other.confirmed.items():
             confirmed[req_id] = confirmed.get(req_id, frozenset()) | ranks
-        return KVTailWorkerMeta(inner=inner, confirmed=confirmed, ranks=self.ranks | other.ranks)
+        digests = dict(self.digests)
+        for req_id, part in other.digests.items():
+            have = digests.get(req_id)
+            digests[req_id] = part if have is None else have.merged(part)
+        verdicts = dict(self.verdicts)
+        for req_id, verdict in other.verdicts.items():
+            have_v = verdicts.get(req_id)
+            verdicts[req_id] = verdict if have_v is None else combined_verdict(have_v, verdict)
+        return KVTailWorkerMeta(
+            inner=inner,
+            confirmed=confirmed,
+            ranks=self.ranks | other.ranks,
+            digests=digests,
+            verdicts=verdicts,
+        )

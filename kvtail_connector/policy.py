@@ -44,6 +44,11 @@ class TailPolicy:
             output leaves the worker (None when not vouching).
         trust_vouched: as a consumer, skip the tails a producer vouched for
             (when its entry's geometry and length match the load).
+        digest_prompts: as a producer, digest each remote-decode prompt's KV
+            in ``producer_hook`` and send the sums in its ``kvtail`` entry
+            (``verify_kv: digest``).
+        verify_loads: as a consumer, digest what each async load wrote and
+            compare it with the producer's sums (``verify_kv: digest``).
     """
 
     zero_tails: bool
@@ -57,11 +62,79 @@ class TailPolicy:
     vouch_tails: bool = False
     producer_hook: ProducerHook | None = None
     trust_vouched: bool = False
+    digest_prompts: bool = False
+    verify_loads: bool = False
 
     @property
     def needs_caches(self) -> bool:
-        """Whether workers zero anything at all (and so map the KV caches)."""
-        return self.zero_tails or self.zero_failed_loads or self.zero_read_tails or self.vouch_tails
+        """Whether workers zero or digest anything at all (and so map the KV caches)."""
+        return (
+            self.zero_tails
+            or self.zero_failed_loads
+            or self.zero_read_tails
+            or self.vouch_tails
+            or self.digest_prompts
+            or self.verify_loads
+        )
+
+    @property
+    def reports_worker_meta(self) -> bool:
+        """Workers wrap their metadata every step (claims, digests, verdicts)."""
+        return self.vouch_tails or self.digest_prompts or self.verify_loads
+
+
+_VERIFY = "kv_connector_extra_config.verify_kv"
+
+
+def _digest_duties(
+    cfg: KVTailConfig,
+    *,
+    is_producer: bool,
+    is_consumer: bool,
+    sync_read: bool,
+    carries_producer_tail: bool,
+    producer_hook: ProducerHook | None,
+    dcp_world_size: int,
+    pipeline_parallel_size: int,
+) -> tuple[bool, bool]:
+    """``(digest_prompts, verify_loads)`` for ``verify_kv``; where the digest
+    cannot work it is refused here, at start-up, never discovered per request.
+
+    Raises:
+        ValueError: naming ``kv_connector_extra_config.verify_kv`` and why.
+    """
+    if cfg.verify_kv == "off":
+        return False, False
+    refusal = None
+    if not carries_producer_tail:
+        refusal = (
+            "the inner connector gives the consumer no per-request producer parameters taken "
+            "after the producer's last prompt forward (store backends such as MooncakeStore, "
+            "MoRIIO WRITE)"
+        )
+    elif is_consumer and sync_read:
+        refusal = (
+            "MoRIIO READ loads synchronously: the request's forward reads the KV in the step "
+            "its READ lands, before any verdict could reach the scheduler"
+        )
+    elif dcp_world_size > 1:
+        refusal = (
+            f"decode context parallelism (size {dcp_world_size}) deals a segment's tokens "
+            "over ranks, so no rank can compare a segment on its own"
+        )
+    elif pipeline_parallel_size > 1:
+        refusal = (
+            f"pipeline parallelism (size {pipeline_parallel_size}) gives each rank a subset "
+            "of the layers a segment's sum covers"
+        )
+    elif is_producer and producer_hook is None:
+        refusal = (
+            "no runner hook on this producer is ordered after the prompt's last KV write "
+            "(a drafter writes draft KV past the prompt after the forward)"
+        )
+    if refusal is not None:
+        raise ValueError(f'{_VERIFY}: "digest" cannot work here: {refusal}. Set it to "off".')
+    return is_producer, is_consumer
 
 
 def resolve_policy(
@@ -76,6 +149,8 @@ def resolve_policy(
     is_producer: bool = False,
     carries_producer_tail: bool = False,
     producer_hook: ProducerHook | None = None,
+    dcp_world_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> TailPolicy:
     """The policy for one engine.
 
@@ -96,6 +171,12 @@ def resolve_policy(
         producer_hook: the runner's hook ordered after the last prompt KV
             write and before the step's output (``_compat.producer_tail_hook``;
             None where no hook is, e.g. a drafter writes KV past the prompt).
+        dcp_world_size, pipeline_parallel_size: this engine's DCP and PP sizes
+            (``verify_kv`` needs both to be 1).
+
+    Raises:
+        ValueError: ``verify_kv: digest`` where it cannot work (see
+            :func:`_digest_duties`).
     """
     zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
     # vLLM re-zeroes a failed load's blocks itself whenever it zeroes at all
@@ -115,6 +196,16 @@ def resolve_policy(
         and producer_hook is not None
         and (zero or (needs_zeroing and sync_read))
     )
+    digest, verify = _digest_duties(
+        cfg,
+        is_producer=is_producer,
+        is_consumer=is_consumer,
+        sync_read=sync_read,
+        carries_producer_tail=carries_producer_tail,
+        producer_hook=producer_hook,
+        dcp_world_size=dcp_world_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+    )
     return TailPolicy(
         zero_tails=zero,
         zero_failed_loads=zero_failed,
@@ -129,6 +220,8 @@ def resolve_policy(
         hold_completions=writes_past_the_fence,
         probe=cfg.probe_stale_tails,
         vouch_tails=vouch,
-        producer_hook=producer_hook if vouch else None,
+        producer_hook=producer_hook if vouch or digest else None,
         trust_vouched=cfg.vouch_tails == "auto" and is_consumer and carries_producer_tail,
+        digest_prompts=digest,
+        verify_loads=verify,
     )

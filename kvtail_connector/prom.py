@@ -32,6 +32,12 @@ METRICS = {
     "vouches_declined": "Consumer: kvtail entries not trusted (unknown version, malformed, other "
     "geometry or length).",
     "false_vouches": "Consumer: vouched tails probe_stale_tails found non-zero (then zeroed).",
+    "digests_sent": "Producer: remote-decode requests sent with a KV digest (verify_kv).",
+    "digests_verified": "Consumer: async loads whose KV matched the producer's digest.",
+    "digest_mismatches": "Consumer: async loads whose KV differed from the producer's digest "
+    "(reported failed; kv_load_failure_policy applies).",
+    "digests_skipped": "Consumer: async loads not verified (no usable digest, another layout, "
+    "or no whole segment inside the loaded range).",
 }
 GAUGE_METRICS = {
     "held_requests": "Requests the wrapper holds state for (largest over its scheduler side "

@@ -12,6 +12,11 @@ when the request finishes adds the ``kvtail`` entry to the params the inner
 connector returned, once every worker confirmed the zeroing
 (:meth:`TailScheduler.update_connector_output`, in the same
 ``update_from_output`` call).
+
+With ``verify_kv: digest`` a producer ships every block of those prompts for
+the workers to digest and adds the ranks' summed digest to the entry (``dg``);
+a consumer passes the entry's digest to the workers with the load
+(``LoadRecord.expected``) and counts what the workers found once per request.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
+    MISMATCH,
     NULL_BLOCK,
+    VERIFIED,
+    ExpectedDigest,
     GroupLoad,
     KVTailMetadata,
     KVTailWorkerMeta,
     LoadRecord,
+    combined_verdict,
 )
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
@@ -79,6 +88,13 @@ class TailScheduler:
         self._producing: dict[str, Any] = {}
         self._claims: dict[str, tuple[int, int]] = {}  # (prompt length, preemptions then)
         self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
+        # verify_kv. Producer: the prompt length of requests whose digest
+        # record shipped, then the params of those that finished in this
+        # update_from_output call. Consumer: the ranks' verdicts on loads that
+        # came with a digest, until vLLM reports the load finished.
+        self._digesting: dict[str, int] = {}
+        self._provisional_digests: dict[str, tuple[dict[str, Any], int]] = {}
+        self._verdicts: dict[str, str] = {}
         # req_id -> (local computed tokens, load is async) from the latest
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
         self._matched: dict[str, tuple[int, bool]] = {}
@@ -105,7 +121,7 @@ class TailScheduler:
         no later forward of it (async scheduling's next step included) writes
         past the prompt into the tail the claim covers.
         """
-        if not self._policy.vouch_tails:
+        if not (self._policy.vouch_tails or self._policy.digest_prompts):
             return
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and getattr(request, "max_tokens", 0) == 1:
@@ -131,16 +147,23 @@ class TailScheduler:
             self._in_flight[request.request_id] = frozenset(
                 self._written_blocks(request, blocks, local, local + num_external_tokens)
             )
-        if load_async and not self._policy.zero_tails:
+        expected = self._expected(request) if load_async and self._policy.verify_loads else None
+        if load_async and not self._policy.zero_tails and expected is None:
             return
         if not load_async:
             if self._policy.zero_read_tails:
                 self._pending_reads.append((request, blocks, local, local + num_external_tokens))
             return  # other sync loads land in blocks vLLM zeroed first
-        record = self._record(request, blocks, local, local + num_external_tokens)
+        record = self._record(
+            request, blocks, local, local + num_external_tokens, keep=expected is not None
+        )
+        if record is None and expected is not None:
+            self._stats.add("digests_skipped", 1)  # no group a digest covers
         if record is not None:
-            if self._vouched(request, record.num_loaded):
+            if self._policy.zero_tails and self._vouched(request, record.num_loaded):
                 record = dataclasses.replace(record, vouched=True)
+            if expected is not None:
+                record = dataclasses.replace(record, expected=expected)
             self._pending.append(record)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
@@ -160,12 +183,16 @@ class TailScheduler:
                 self._drop_read_destinations(scheduler_output, reads)
             if self._pending_reads:
                 read_loads = self._read_records(scheduler_output.num_scheduled_tokens, reads)
-        producer = self._producer_records(scheduler_output) if self._producing else ()
+        producer: tuple[LoadRecord, ...] = ()
+        digests: tuple[LoadRecord, ...] = ()
+        if self._producing:
+            producer, digests = self._producer_records(scheduler_output)
         meta = KVTailMetadata(
             inner=inner_meta,
             loads=tuple(self._pending),
             read_loads=read_loads,
             producer_tails=producer,
+            producer_digests=digests,
         )
         if self._pending or read_loads or producer:
             logger.debug(
@@ -184,13 +211,17 @@ class TailScheduler:
         self._matched.pop(req_id, None)
         self._producing.pop(req_id, None)
         claim = self._claims.pop(req_id, None)
-        if claim is None or not isinstance(params, dict):
+        digested = self._digesting.pop(req_id, None)
+        if not isinstance(params, dict):
             return
-        num_tokens, preemptions = claim
-        # Preempted since (async scheduling can preempt it after the step that
-        # zeroed its tail was scheduled): its blocks were freed; no claim.
-        if request.num_preemptions == preemptions and request.num_computed_tokens >= num_tokens:
-            self._provisional[req_id] = (params, num_tokens)
+        if claim is not None:
+            num_tokens, preemptions = claim
+            # Preempted since (async scheduling can preempt it after the step
+            # that zeroed its tail was scheduled): its blocks were freed; no claim.
+            if request.num_preemptions == preemptions and request.num_computed_tokens >= num_tokens:
+                self._provisional[req_id] = (params, num_tokens)
+        if digested is not None:
+            self._provisional_digests[req_id] = (params, digested)
 
     def update_connector_output(
         self, connector_output: Any, worker_meta: KVTailWorkerMeta | None = None
@@ -203,10 +234,12 @@ class TailScheduler:
         ``worker_meta``: the wrapper's worker metadata of the step being
         processed (aggregated over the workers), unwrapped by the facade.
         """
-        if self._provisional:
+        if self._provisional or self._provisional_digests:
             self._grant_claims(worker_meta)
         if not self._in_flight:
             return
+        if self._policy.verify_loads:
+            self._count_verdicts(connector_output, worker_meta)
         failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
         invalid = connector_output.invalid_block_ids
         if invalid:
@@ -223,21 +256,31 @@ class TailScheduler:
 
     def held_requests(self) -> int:
         """Requests this side holds state for (the ``held_requests`` gauge)."""
-        held = self._matched.keys() | self._in_flight.keys() | self._producing.keys()
+        held = (
+            self._matched.keys()
+            | self._in_flight.keys()
+            | self._producing.keys()
+            | self._digesting.keys()
+        )
         held.update(r.req_id for r in self._pending)
         held.update(req.request_id for req, *_ in self._pending_reads)
         return len(held)
 
     # ---------------------------------------------------------------- helpers
 
-    def _producer_records(self, scheduler_output: Any) -> tuple[LoadRecord, ...]:
+    def _producer_records(
+        self, scheduler_output: Any
+    ) -> tuple[tuple[LoadRecord, ...], tuple[LoadRecord, ...]]:
         """Tail records of the remote-decode prompts this step completes: in each
         group with token tails, the block holding the prompt's last token, when
         that block is partial. A block-aligned prompt ships an empty record (its
-        tail is trivially clean; every worker still confirms it)."""
+        tail is trivially clean; every worker still confirms it). With
+        ``verify_kv``, digest records of the same prompts: every block of
+        ``[0, n)`` in each group with token tails."""
         scheduled = scheduler_output.num_scheduled_tokens
         manager = self._kv_cache_manager
         records = []
+        digests = []
         for req_id in scheduled.keys() & self._producing.keys():
             request = self._producing[req_id]
             step = scheduled[req_id]
@@ -246,6 +289,11 @@ class TailScheduler:
             if step <= 0 or not done < n <= done + step or manager is None:
                 continue
             block_ids = manager.get_block_ids(req_id)
+            if self._policy.digest_prompts:
+                digests.append(self._digest_record(req_id, n, block_ids))
+                self._digesting[req_id] = n
+            if not self._policy.vouch_tails:
+                continue
             groups = []
             for info in self._groups:
                 tail = tail_block(n, info.effective_block) if info.has_tails else None
@@ -258,17 +306,32 @@ class TailScheduler:
             else:
                 records.append(LoadRecord(req_id, 0, n, tuple(groups)))
                 self._claims[req_id] = (n, int(request.num_preemptions))
-        return tuple(records)
+        return tuple(records), tuple(digests)
+
+    def _digest_record(self, req_id: str, n: int, block_ids: Any) -> LoadRecord:
+        groups = []
+        for info in self._groups:
+            if not info.has_tails:
+                continue
+            ids = tuple(block_ids[info.group_id][: -(-n // info.effective_block)])
+            if _compat.NULL_BLOCK_ID in ids:  # sliding-window gaps: vLLM's null block
+                ids = tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
+            groups.append(GroupLoad(info.group_id, 0, ids))
+        return LoadRecord(req_id, 0, n, tuple(groups))
 
     def _grant_claims(self, worker_meta: KVTailWorkerMeta | None) -> None:
         """Add the ``kvtail`` entry to each finished producer request's params
-        whose tail every worker zeroed in the step just processed; the others
-        leave without one (their consumer zeroes as if P were plain vLLM)."""
+        whose tail every worker zeroed in the step just processed, or (with
+        ``verify_kv``) that every worker digested; the others leave without one
+        (their consumer zeroes as if P were plain vLLM, and verifies nothing)."""
         provisional, self._provisional = self._provisional, {}
+        digested, self._provisional_digests = self._provisional_digests, {}
         workers = self._num_workers
         confirmed: dict[str, frozenset[int]] = {}
+        parts: dict[str, Any] = {}
         if worker_meta is not None and len(worker_meta.ranks) == workers:
             confirmed = worker_meta.confirmed
+            parts = worker_meta.digests
         assert self._geometry is not None, "a producer knows its geometry"
         for req_id, (params, num_tokens) in provisional.items():
             # Distinct ranks: a step's outputs replayed (0.33 fault tolerance)
@@ -279,6 +342,53 @@ class TailScheduler:
             claim = entry.Entry(num_tokens=num_tokens, geometry=self._geometry, tail_zero=True)
             params[entry.KEY] = claim.to_json()
             self._stats.add("tails_vouched", 1)
+        for req_id, (params, num_tokens) in digested.items():
+            part = parts.get(req_id)
+            digest = part.digest() if part is not None and part.ranks == workers else None
+            if digest is None:
+                logger.debug("kvtail: %s: not digested by every worker: no digest", req_id)
+                continue
+            found = entry.read(params)[0]
+            claim = entry.Entry(
+                num_tokens=num_tokens,
+                geometry=self._geometry,
+                tail_zero=found is not None and found.tail_zero,
+                digest=digest,
+            )
+            params[entry.KEY] = claim.to_json()
+            self._stats.add("digests_sent", 1)
+
+    def _expected(self, request: Any) -> ExpectedDigest | None:
+        """The producer's digest of ``request``'s prompt, where its entry has
+        one (what the workers check the load against); counted as skipped
+        where it has none."""
+        found, why = entry.read(request.kv_transfer_params)
+        if found is None or found.digest is None:
+            self._stats.add("digests_skipped", 1)
+            logger.debug("kvtail: %s: no producer digest (%s)", request.request_id, why)
+            return None
+        return ExpectedDigest(found.num_tokens, found.digest)
+
+    def _count_verdicts(self, connector_output: Any, worker_meta: KVTailWorkerMeta | None) -> None:
+        """Fold this step's verdicts of the ranks; count each load once vLLM
+        reports it finished (every rank then reported its verdict)."""
+        if worker_meta is not None:
+            for req_id, found in worker_meta.verdicts.items():
+                if req_id in self._in_flight:
+                    have = self._verdicts.get(req_id)
+                    self._verdicts[req_id] = (
+                        found if have is None else combined_verdict(have, found)
+                    )
+        for req_id in connector_output.finished_recving or ():
+            verdict = self._verdicts.pop(req_id, None)
+            if verdict is None:
+                continue
+            if verdict == MISMATCH:
+                self._stats.add("digest_mismatches", 1)
+            elif verdict == VERIFIED:
+                self._stats.add("digests_verified", 1)
+            else:
+                self._stats.add("digests_skipped", 1)
 
     def _vouched(self, request: Any, zero_from: int) -> bool:
         """Whether the producer vouched for the tail this consumer would zero
@@ -292,6 +402,8 @@ class TailScheduler:
                 self._stats.add("vouches_declined", 1)
                 logger.debug("kvtail: %s: kvtail entry ignored (%s)", request.request_id, why)
             return False
+        if not found.tail_zero and found.digest is not None:
+            return False  # a digest without a tail claim (verify_kv): nothing to decline
         if found.tail_zero and found.geometry == self._geometry and found.num_tokens == zero_from:
             return True
         self._stats.add("vouches_declined", 1)
@@ -355,8 +467,17 @@ class TailScheduler:
         return [b for b in out if b != _compat.NULL_BLOCK_ID]
 
     def _record(
-        self, request: Any, blocks: Any, local: int, loaded: int, *, tails_only: bool = False
+        self,
+        request: Any,
+        blocks: Any,
+        local: int,
+        loaded: int,
+        *,
+        tails_only: bool = False,
+        keep: bool = False,
     ) -> LoadRecord | None:
+        """The load's record, or None when block-aligned (nothing to zero or
+        watch) unless ``keep`` (a load to verify)."""
         block_ids = blocks.get_block_ids()
         loaded_groups = self._inner.get_loaded_kv_cache_group_ids(request)
         entries = []
@@ -373,7 +494,9 @@ class TailScheduler:
             if _compat.NULL_BLOCK_ID in ids:  # sliding-window gaps: vLLM's null block
                 ids = tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
             entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
-        if not entries or not (any_tail or (self._policy.record_every_load and not tails_only)):
+        if not entries or not (
+            any_tail or keep or (self._policy.record_every_load and not tails_only)
+        ):
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))
 
@@ -404,4 +527,7 @@ class TailScheduler:
             + len(self._producing)
             + len(self._claims)
             + len(self._provisional)
+            + len(self._digesting)
+            + len(self._provisional_digests)
+            + len(self._verdicts)
         )

@@ -35,6 +35,10 @@ COUNTERS = (
     "vouched_tail_bytes",
     "vouches_declined",
     "false_vouches",
+    "digests_sent",
+    "digests_verified",
+    "digest_mismatches",
+    "digests_skipped",
 )
 # Levels, not counts. Each part of the wrapper (scheduler side, every worker)
 # reports its level in every step where it is non-zero or has just changed,
@@ -73,9 +77,12 @@ class KVTailStats(KVConnectorStats):
     (requests sent with the claim) and ``producer_tail_bytes_zeroed`` on the
     producer; ``vouched_tails``, ``vouched_tail_bytes`` (not zeroed),
     ``vouches_declined`` and ``false_vouches`` (the probe's canary) on the
-    consumer. Per-request counters are counted once per request
-    (the scheduler side, or the first worker rank), so vLLM's sum over TP
-    workers stays a count of requests.
+    consumer. KV digests (``verify_kv``): ``digests_sent`` on the producer;
+    ``digests_verified``, ``digest_mismatches`` (loads then reported failed)
+    and ``digests_skipped`` (async loads with no usable digest, or none of
+    whose segments could be compared) on the consumer. Per-request counters
+    are counted once per request (the scheduler side, or the first worker
+    rank), so vLLM's sum over TP workers stays a count of requests.
 
     Gauge ``held_requests``: requests the wrapper holds state for (the largest
     number over the scheduler side and each worker); present in a snapshot

@@ -26,6 +26,12 @@ check finds bytes (the canary).
 On a producer the worker zeroes the tails of the remote-decode prompts that
 complete in the step, in the hook ``TailPolicy.producer_hook`` names, and
 reports which it zeroed in :class:`~kvtail_connector.metadata.KVTailWorkerMeta`.
+
+With ``verify_kv: digest`` (:mod:`~kvtail_connector.kv_digests`) a producer
+also digests those prompts in that hook, and a consumer digests each completed
+load that came with the producer's digest, holding it out of
+``finished_recving`` until the comparison and reporting a mismatch in
+``failed_recving``.
 """
 
 from __future__ import annotations
@@ -41,10 +47,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvtail_connector.cache_sets import CacheSet, TailBytes, cache_sets
 from kvtail_connector.completion_hold import CompletionHold
+from kvtail_connector.kv_digests import HeadPlacement, RankDigests
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.load_errors import LoadErrorLedger
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, KVTailMetadata, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.metadata import (
+    NULL_BLOCK,
+    DigestPart,
+    KVTailMetadata,
+    KVTailWorkerMeta,
+    LoadRecord,
+)
 from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.work import Line
 from kvtail_connector.policy import TailPolicy
@@ -102,6 +115,7 @@ class TailWorker:
         rank: this worker's rank among the engine's workers (its producer
             confirmations are counted by id).
         stats: the counters this side reports.
+        heads: this rank's TP placement of the KV heads (``verify_kv``).
     """
 
     def __init__(
@@ -113,6 +127,7 @@ class TailWorker:
         counts_requests: bool = True,
         rank: int = 0,
         stats: KVTailStats,
+        heads: HeadPlacement | None = None,
     ) -> None:
         self._groups = groups
         self._placement = placement
@@ -136,6 +151,12 @@ class TailWorker:
         # Producer: this step's prompt tails, and those zeroed in the hook.
         self._producer_tails: list[LoadRecord] = []
         self._producer_zeroed: list[str] = []
+        # verify_kv: the digest groups; a producer's prompts to digest in the
+        # hook and their sums, on their way to this step's worker metadata.
+        self._heads = heads or HeadPlacement()
+        self._digests: RankDigests | None = None
+        self._producer_digest_records: list[LoadRecord] = []
+        self._producer_parts: dict[str, DigestPart] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -157,6 +178,8 @@ class TailWorker:
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
         self._tail_bytes = TailBytes.of(self._sets)
         self._zeroer.warmup()
+        if self._policy.digest_prompts or self._policy.verify_loads:
+            self._digests = RankDigests(self._sets, self._heads)
         if self._policy.read_tails_by_layer:
             self._by_layer = ReadTailsByLayer(self._sets)
             self._by_layer.zeroer.warmup()
@@ -175,11 +198,11 @@ class TailWorker:
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode released the KV memory: launch nothing until restored."""
-        self._saved = (self._zeroer, self._by_layer)
-        self._zeroer = self._by_layer = None
+        self._saved = (self._zeroer, self._by_layer, self._digests)
+        self._zeroer = self._by_layer = self._digests = None
 
     def restore_kv_caches(self) -> None:
-        self._zeroer, self._by_layer = getattr(self, "_saved", (None, None))
+        self._zeroer, self._by_layer, self._digests = getattr(self, "_saved", (None, None, None))
 
     def bind(self, meta: KVTailMetadata) -> None:
         """Keep this step's new loads, their tails encoded for the launch now,
@@ -195,34 +218,56 @@ class TailWorker:
             )
         self._read_loads.extend(meta.read_loads)
         self._producer_tails.extend(meta.producer_tails)
+        self._producer_digest_records.extend(meta.producer_digests)
 
     def zero_producer_tails(self) -> None:
         """The producer hook (``policy.producer_hook``): zero the slots past each
         completing remote-decode prompt in its last block, on the current
         stream, after the step's forward and before its output; each request
         zeroed here is confirmed in this step's worker metadata. Without
-        registered caches (sleep mode) nothing is zeroed and nothing confirmed."""
+        registered caches (sleep mode) nothing is zeroed and nothing confirmed.
+
+        With ``verify_kv: digest``, then digests those prompts' tokens (after
+        the zeroing, which writes only slots past them), without waiting."""
         records, self._producer_tails = self._producer_tails, []
-        if not records or self._zeroer is None:
-            return
-        batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-        # Not probed: the counters say what consumers received.
-        self._zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
-        self._producer_zeroed.extend(r.req_id for r in records)
+        if records and self._zeroer is not None:
+            batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
+            # Not probed: the counters say what consumers received.
+            self._zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
+            self._producer_zeroed.extend(r.req_id for r in records)
+        digests, self._producer_digest_records = self._producer_digest_records, []
+        if digests and self._digests is not None:
+            self._producer_parts.update(self._digests.digest_prompts(digests))
 
     def worker_meta(self, inner: Any) -> Any:
         """This step's ``build_connector_worker_meta``: the inner connector's,
         wrapped with the producer tails this rank zeroed (every step where the
-        policy vouches, so every rank's metadata aggregates alike)."""
-        if not self._policy.vouch_tails:
+        policy vouches or digests, so every rank's metadata aggregates alike),
+        with this rank's digests and verdicts (``verify_kv``). Digest sums are
+        read from the device only when the scheduler side reads them, or when
+        the metadata is pickled to reach it."""
+        if not self._policy.reports_worker_meta:
             return inner
         if self._producer_tails:
             # Bound this step but the hook never ran: not zeroed, not confirmed.
             logger.debug("kvtail: %d producer tail(s) not zeroed", len(self._producer_tails))
             self._producer_tails = []
+        if self._producer_digest_records:
+            logger.debug(
+                "kvtail: %d producer prompt(s) not digested", len(self._producer_digest_records)
+            )
+            self._producer_digest_records = []
         zeroed, self._producer_zeroed = self._producer_zeroed, []
+        parts, self._producer_parts = self._producer_parts, {}
+        verdicts = self._digests.take_verdicts() if self._digests is not None else {}
         mine = frozenset({self._rank})
-        return KVTailWorkerMeta(inner=inner, confirmed=dict.fromkeys(zeroed, mine), ranks=mine)
+        return KVTailWorkerMeta(
+            inner=inner,
+            confirmed=dict.fromkeys(zeroed, mine),
+            ranks=mine,
+            digests=parts,
+            verdicts=verdicts,
+        )
 
     def fence(self) -> None:
         """Before the inner connector starts a load, earlier zeroing has executed.
@@ -249,6 +294,8 @@ class TailWorker:
         )
         if self._by_layer is not None:
             held |= self._by_layer.owners_pending()
+        if self._digests is not None:
+            held |= self._digests.held
         return len(held) + (len(self._hold) if self._hold is not None else 0)
 
     @property
@@ -266,6 +313,9 @@ class TailWorker:
             + held
             + len(self._producer_tails)
             + len(self._producer_zeroed)
+            + len(self._producer_digest_records)
+            + len(self._producer_parts)
+            + (self._digests.num_tracked if self._digests is not None else 0)
         )
 
     # ------------------------------------------------------------ completion
@@ -281,7 +331,8 @@ class TailWorker:
     ) -> KVConnectorTransferResults:
         """The runner's ``get_transfer_results``: the inner connector's
         ``results``, after zeroing what completed, with completions held back
-        while their zeroing has not executed (``hold_completions``)."""
+        while their zeroing has not executed (``hold_completions``) and,
+        with ``verify_kv``, while their digest is not on the host."""
         if self._loads and finished_req_ids:
             self._abandoned.update(r for r in finished_req_ids if r in self._loads)
         zeroed: set[str] = set()
@@ -289,6 +340,14 @@ class TailWorker:
             zeroed = self.on_transfer_results(
                 results.finished_recving, results.failed_recving, inner
             )
+        results = self._hold_zeroed(results, zeroed)
+        if self._digests is not None and self._policy.verify_loads:
+            results = self._hold_digested(results, self._digests)
+        return results
+
+    def _hold_zeroed(
+        self, results: KVConnectorTransferResults, zeroed: set[str]
+    ) -> KVConnectorTransferResults:
         hold = self._hold
         if hold is None or not (zeroed or len(hold)):
             return results
@@ -299,6 +358,21 @@ class TailWorker:
             finished_sending=results.finished_sending,
             finished_recving={r for r in results.finished_recving if r not in hold} | released,
             failed_recving={r for r in results.failed_recving if r not in hold} | released_failed,
+        )
+
+    def _hold_digested(
+        self, results: KVConnectorTransferResults, digests: RankDigests
+    ) -> KVConnectorTransferResults:
+        """Completions whose digest is on its way are held; those compared now
+        are released, a mismatch as a failed load."""
+        held = {r for r in results.finished_recving if r in digests}
+        released, mismatched = digests.release()
+        if not held and not released:
+            return results
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=(set(results.finished_recving) - held) | released,
+            failed_recving=(set(results.failed_recving) - held) | mismatched,
         )
 
     def on_transfer_results(
@@ -328,6 +402,7 @@ class TailWorker:
         batches: list[_Zeroing] = []
         vouched: list[_Zeroing] = []
         vouched_records: list[LoadRecord] = []
+        checks: list[LoadRecord] = []  # verify_kv: loads to digest
         tails = 0  # requests
         for pending in done:
             record = pending.record
@@ -336,6 +411,8 @@ class TailWorker:
                 self._abandoned.discard(record.req_id)
                 logger.debug("kvtail: %s finished while loading: nothing to zero", record.req_id)
                 continue
+            if record.expected is not None and record.req_id not in failed and invalid is None:
+                checks.append(record)
             # Failures are counted once per request by the scheduler side.
             if record.req_id in failed or invalid is not None:
                 if self._policy.zero_failed_loads:
@@ -350,6 +427,10 @@ class TailWorker:
                 if batch.lines:
                     batches.append(batch)
                 tails += self._has_tail(record)
+        if checks and self._digests is not None:
+            # Before the zeroing launch (disjoint slots) and before the
+            # scheduler can hand the blocks to a forward.
+            self._digests.check_loads(checks)
         self._count_tails(tails)
         batches += self._check_vouched(vouched, vouched_records)
         self._zero(batches)

@@ -71,12 +71,17 @@ def wrapped_kv_config(
     role: Literal["producer", "consumer"],
     zero_tails: ZeroTails = "auto",
     probe_stale_tails: bool = True,
+    **options: Any,
 ) -> dict[str, Any]:
     """The same side with ``KVTailConnector`` wrapping the plain connector: the plain
     connector's name and extra config move into ``kv_connector_extra_config``; every
-    other field (``kv_role``, ``kv_buffer_device``) stays where it is."""
+    other field (``kv_role``, ``kv_buffer_device``) stays where it is. ``options``:
+    the wrapper's other fields (e.g. ``verify_kv``)."""
     return wrap_kv_transfer_config(
-        kv_config(backend, role), zero_tails=zero_tails, probe_stale_tails=probe_stale_tails
+        kv_config(backend, role),
+        zero_tails=zero_tails,
+        probe_stale_tails=probe_stale_tails,
+        **options,
     )
 
 
@@ -217,6 +222,7 @@ class PDPair:
         poison_tail: float | None = None,
         store_wait_s: float = 10.0,
         poison_consumer: float | None = None,
+        corrupt_slot: tuple[int, float] | None = None,
     ) -> PDResult:
         """Prefill on one engine, decode on the other, return both outputs and KV facts.
 
@@ -225,6 +231,11 @@ class PDPair:
         prefill, before the consumer pulls); then decode with the returned params
         (``do_remote_prefill``). Mooncake: prefill stores, wait until the master holds
         the keys, then the decode engine runs the same prompt and hits the store.
+
+        ``corrupt_slot`` ``(token, value)`` (NIXL) sets the producer's slot of that
+        prompt token, in every attention layer, to ``value`` after its prefill
+        (after anything the producer computed over its KV, a digest included) and
+        before the consumer pulls: the bytes change between producer and consumer.
 
         ``poison_consumer`` fills every attention slot of the (idle) decode engine
         first, standing for stale bytes left by earlier requests. NaN there is only
@@ -252,6 +263,10 @@ class PDPair:
         if poison_tail is not None and len(prompt) % bs and producer_blocks:
             last = producer_blocks[(len(prompt) - 1) // bs]
             poisoned = self.prefill.fill_slots([last], len(prompt) % bs, None, poison_tail)
+        if corrupt_slot is not None and producer_blocks:
+            token, value = corrupt_slot
+            block = producer_blocks[token // bs]
+            poisoned += self.prefill.fill_slots([block], token % bs, token % bs + 1, value)
 
         if self.backend == "mooncake":
             self._wait_store(before, store_wait_s)

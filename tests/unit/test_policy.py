@@ -135,3 +135,48 @@ def test_a_consumer_trusts_claims_only_over_a_transfer_that_carries_them():
     assert not _claims(is_consumer=False).trust_vouched
     both = _claims(is_consumer=True, is_producer=True)  # kv_both
     assert both.trust_vouched and both.vouch_tails
+
+
+def _verify(verify: str = "digest", **facts):
+    cfg = KVTailConfig(backend="NixlConnector", zero_tails="auto", verify_kv=verify)
+    args = dict.fromkeys(FACTS, False)
+    args.update(is_producer=False, carries_producer_tail=True, producer_hook="wait_for_save")
+    args.update(facts)
+    return resolve_policy(cfg, **args)
+
+
+def test_verify_kv_digests_on_producers_and_verifies_on_consumers():
+    p = _verify(is_producer=True)
+    assert p.digest_prompts and not p.verify_loads and p.needs_caches
+    assert p.producer_hook == "wait_for_save" and not p.vouch_tails  # the model needs no zeroing
+    d = _verify(is_consumer=True)
+    assert d.verify_loads and not d.digest_prompts and d.needs_caches
+    both = _verify(is_producer=True, is_consumer=True)
+    assert both.digest_prompts and both.verify_loads
+    off = _verify("off", is_producer=True, is_consumer=True)
+    assert not (off.digest_prompts or off.verify_loads or off.needs_caches)
+    assert off.producer_hook is None
+
+
+@pytest.mark.parametrize(
+    ("facts", "why"),
+    [
+        ({"is_consumer": True, "carries_producer_tail": False}, "store backends"),
+        ({"is_producer": True, "carries_producer_tail": False}, "store backends"),
+        ({"is_consumer": True, "sync_read": True}, "MoRIIO READ"),
+        ({"is_consumer": True, "dcp_world_size": 2}, "decode context parallelism"),
+        ({"is_producer": True, "pipeline_parallel_size": 2}, "pipeline parallelism"),
+        ({"is_producer": True, "producer_hook": None}, "drafter"),
+    ],
+    ids=["store-consumer", "store-producer", "sync-read", "dcp", "pp", "drafter"],
+)
+def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
+    with pytest.raises(ValueError, match="kv_connector_extra_config.verify_kv") as e:
+        _verify(**facts)
+    assert why in str(e.value) and '"off"' in str(e.value)
+    _verify("off", **facts)  # off: never refused
+
+
+def test_a_producer_with_sync_reads_may_digest():
+    # MoRIIO READ producers: their consumer reads P's blocks after the params.
+    assert _verify(is_producer=True, sync_read=True).digest_prompts

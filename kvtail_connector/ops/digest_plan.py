@@ -1,0 +1,388 @@
+"""Work tables of the KV digest: the inputs, their rows, and the work buffer.
+
+A *row* is one (layer, local head, kernel page of a manager block) of a
+``[B, H, N, C]`` view, or one (layer, region, kernel page) of a
+:class:`RegionCache`: the bytes one slot's content has in it, and where they
+are. An *item* is a run of block-local slots of one manager block of one
+request that all fall in one token segment. The kernel (and the torch path)
+digests every (item, row) pair of a group. Rows are derived once per cache
+set; items per call, with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtail_connector.ops.dcp import dcp_local_valid_slots
+from kvtail_connector.ops.digest_reference import MASK64, SEED
+from kvtail_connector.ops.geometry import RegionCache, describe_caches
+from kvtail_connector.ops.integers import as_int, int_rows
+
+CacheLike = torch.Tensor | RegionCache
+
+# Work buffer layout (must match ops/kernels/digest.py).
+HEADER = 8
+KIND_COLS = 8
+ITEM_COLS = 8
+ROW_COLS = 16
+MODE_BYTES, MODE_WORDS, MODE_VECTORS = 0, 1, 2
+# Units and in-block offsets are int32 inside the kernel.
+MAX_INT32 = 2**31 - 1
+# A unit walks at most this many items of one row; programs get >= this many units.
+MAX_ITEMS_PER_UNIT = 64
+UNITS_PER_PROGRAM = 4
+
+
+@dataclass(frozen=True)
+class DigestGroup:
+    """One KV cache group as this rank holds it.
+
+    Attributes:
+        caches: per-layer ``[B, H, N, C]`` views (any strides and dtype) or
+            :class:`RegionCache` s, in the group's layer order (the index is
+            the layer coordinate of the key). ``B = num_blocks * P``; every
+            cache has the same ``P * N`` slots per manager block.
+        pages_per_block: ``P``, kernel pages per manager block.
+        group_id: the group coordinate of the key (default: the group's index).
+        head_offset: global KV head of local head 0 (TP rank placement).
+        counted_heads: local heads this rank counts (None: all). With
+            replicated heads (TP > KV heads, MLA) only the lowest replica
+            counts a global head, so that the ranks' sums add up.
+        dcp_rank, dcp_world_size, interleave: DCP placement of the group's
+            tokens (``dcp_world_size=1``: not sharded).
+    """
+
+    caches: Sequence[CacheLike]
+    pages_per_block: int = 1
+    group_id: int | None = None
+    head_offset: int = 0
+    counted_heads: Sequence[int] | None = None
+    dcp_rank: int = 0
+    dcp_world_size: int = 1
+    interleave: int = 1
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """The tokens ``[start, end)`` of one request in one group.
+
+    Attributes:
+        block_ids: the request's manager block ids in the group; entry ``i``
+            covers tokens ``[i * eb, (i + 1) * eb)``, ``eb = P * N *
+            dcp_world_size``. Only the blocks holding tokens of ``[start,
+            end)`` are read (and checked).
+        start, end: the token range to digest.
+    """
+
+    block_ids: Sequence[int]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """See the module docstring; addresses in bytes, absolute."""
+
+    tensor: torch.Tensor  # whose storage the row reads
+    base: int  # address of the row's first served slot in manager block 0
+    block_stride: int
+    slot_stride: int
+    run_bytes: int
+    first_slot: int  # block-local slot of the first served slot
+    n_slots: int
+    slot_step: int
+    word_base: int
+    plane: int  # uint64 plane key
+    out_head: int  # index of the output cell's head among the counted heads
+    elem: int  # element bytes (byte loads of strided elements)
+    elem_stride: int
+
+    @property
+    def n_words(self) -> int:
+        return -(-self.run_bytes // 4)
+
+    @property
+    def mode(self) -> int:
+        contiguous = self.elem_stride == self.elem
+        aligned = (self.base | self.block_stride | self.slot_stride | self.run_bytes) % 4 == 0
+        if not (contiguous and aligned):
+            return MODE_BYTES
+        wide = (self.base | self.block_stride | self.slot_stride | self.run_bytes) % 16 == 0
+        return MODE_VECTORS if wide else MODE_WORDS
+
+
+def _fmix64(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & MASK64
+    return x ^ (x >> 33)
+
+
+def _plane(group: int, layer: int, head: int) -> int:
+    return _fmix64(_fmix64(_fmix64(SEED ^ group) ^ layer) ^ head)
+
+
+@dataclass
+class GroupRows:
+    """A validated :class:`DigestGroup` and its rows."""
+
+    group_id: int
+    slots_per_block: int  # P * N, local slots of one manager block
+    num_blocks: int
+    dcp: tuple[int, int, int]  # rank, world size, interleave
+    heads: tuple[int, ...]  # global heads of the output cells, in order
+    rows: list[Row]
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.slots_per_block * self.dcp[1]
+
+
+def group_rows(group: DigestGroup, index: int) -> GroupRows:
+    """Validate ``group`` (``groups[index]``) and derive its rows.
+
+    Raises:
+        ValueError: naming the field: invalid caches (see
+            ``describe_caches``), caches of unequal slots per block, heads or
+            DCP placement out of range.
+    """
+    name = f"groups[{index}]"
+    if not isinstance(group, DigestGroup):
+        raise ValueError(f"{name}: expected a DigestGroup, got {type(group).__name__}")
+    p = as_int(f"{name}.pages_per_block", group.pages_per_block, minimum=1)
+    try:
+        geoms = describe_caches(group.caches, p)
+    except ValueError as e:
+        raise ValueError(f"{name}.{e}") from None
+    group_id = as_int(
+        f"{name}.group_id", index if group.group_id is None else group.group_id, minimum=0
+    )
+    head_offset = as_int(f"{name}.head_offset", group.head_offset, minimum=0)
+    try:
+        dcp_local_valid_slots(0, group.dcp_rank, group.dcp_world_size, group.interleave)
+    except ValueError as e:
+        raise ValueError(f"{name}.{e}") from None
+    per_block = {g.slots_per_page * p for g in geoms}
+    if len(per_block) > 1:
+        raise ValueError(
+            f"{name}.caches: every cache of a group needs the same slots per manager block "
+            f"(pages_per_block * N), got {sorted(per_block)}; put caches of another block "
+            "geometry in their own DigestGroup"
+        )
+    local_heads = [1 if isinstance(c, RegionCache) else int(c.shape[1]) for c in group.caches]
+    num_heads = max(local_heads, default=0)
+    counted = (
+        list(range(num_heads))
+        if group.counted_heads is None
+        else [as_int(f"{name}.counted_heads", h, minimum=0) for h in group.counted_heads]
+    )
+    for h in counted:
+        if h >= num_heads:
+            raise ValueError(f"{name}.counted_heads: head {h} out of range [0, {num_heads})")
+    if len(set(counted)) != len(counted):
+        raise ValueError(f"{name}.counted_heads: heads must be distinct, got {counted}")
+    counted.sort()
+    out_head = {h: i for i, h in enumerate(counted)}
+    rows: list[Row] = []
+    for layer, (cache, geom) in enumerate(zip(group.caches, geoms, strict=True)):
+        n = geom.slots_per_page
+        block_stride = p * geom.page_stride
+        page_bases = [geom.tensor.data_ptr() + j * geom.page_stride for j in range(p)]
+        if isinstance(cache, RegionCache):
+            if 0 not in out_head:
+                continue
+            plane = _plane(group_id, layer, head_offset)
+            word_base = 0
+            for region in cache.regions:
+                first, count, step = region.first_slot, region.count(n), region.slot_step
+                for j, page in enumerate(page_bases):
+                    rows.append(
+                        Row(
+                            geom.tensor,
+                            page + region.offset,
+                            block_stride,
+                            region.stride,
+                            region.slot_bytes,
+                            j * n + first,
+                            count,
+                            step,
+                            word_base,
+                            plane,
+                            out_head[0],
+                            1,
+                            1,
+                        )
+                    )
+                word_base += -(-region.slot_bytes // 4)
+            continue
+        el = cache.element_size()
+        _, s_h, s_n, s_c = cache.stride()
+        c = int(cache.shape[3])
+        for h in counted:
+            if h >= cache.shape[1]:
+                continue
+            plane = _plane(group_id, layer, head_offset + h)
+            for j, page in enumerate(page_bases):
+                rows.append(
+                    Row(
+                        cache,
+                        page + h * s_h * el,
+                        block_stride,
+                        s_n * el,
+                        c * el,
+                        j * n,
+                        n,
+                        1,
+                        0,
+                        plane,
+                        out_head[h],
+                        el,
+                        (s_c if c > 1 else 1) * el,
+                    )
+                )
+    for r in rows:
+        if r.n_slots * r.slot_stride * r.slot_step + r.run_bytes > MAX_INT32:
+            raise ValueError(f"{name}.caches: a page spans more than 2 GiB; not supported")
+    return GroupRows(
+        group_id=group_id,
+        slots_per_block=per_block.pop() if per_block else 0,
+        num_blocks=min((g.num_pages // p for g in geoms), default=0),
+        dcp=(int(group.dcp_rank), int(group.dcp_world_size), int(group.interleave)),
+        heads=tuple(head_offset + h for h in counted),
+        rows=rows,
+    )
+
+
+def row_table(rows: Sequence[Row]) -> np.ndarray:
+    """The kernel's int64 row table ``[max(len(rows), 1), ROW_COLS]``."""
+    table = np.zeros((max(len(rows), 1), ROW_COLS), dtype=np.int64)
+    for i, r in enumerate(rows):
+        mode = r.mode
+        unit = 1 if mode == MODE_BYTES else 4
+        plane = r.plane - (1 << 64) if r.plane >= 1 << 63 else r.plane
+        table[i, :14] = (
+            r.base,
+            r.block_stride,
+            r.slot_stride // unit,
+            r.n_words,
+            r.run_bytes,
+            r.first_slot,
+            r.n_slots,
+            r.slot_step,
+            r.word_base,
+            plane,
+            r.out_head,
+            mode,
+            r.elem,
+            r.elem_stride,
+        )
+    return table
+
+
+def _local_slots(offsets: np.ndarray, rank: int, world: int, ilv: int) -> np.ndarray:
+    """Vectorized ``dcp_local_valid_slots``: local slots below block offsets."""
+    turn = world * ilv
+    return (offsets // turn) * ilv + np.clip(offsets % turn - rank * ilv, 0, ilv)
+
+
+def span_items(
+    g: GroupRows, span: GroupSpan, segment: int, cell_base: int, name: str
+) -> tuple[np.ndarray, int]:
+    """Items ``[k, ITEM_COLS]`` of one request's span in one group, and its
+    segment count ``ceil(end / segment)``.
+
+    ``cell_base`` is the output cell of (head 0, segment 0) of this span; its
+    cells are ``[heads, segments]`` from there.
+
+    Raises:
+        ValueError: naming ``name``: a bad range, or a block id out of range.
+    """
+    start = as_int(f"{name}.start", span.start, minimum=0)
+    end = as_int(f"{name}.end", span.end, minimum=start)
+    eb = g.tokens_per_block
+    blocks_needed = -(-end // eb) if eb else 0
+    if blocks_needed > len(span.block_ids):
+        raise ValueError(
+            f"{name}.block_ids: tokens [{start}, {end}) need {blocks_needed} blocks of {eb} "
+            f"tokens, got {len(span.block_ids)}"
+        )
+    n_seg = -(-end // segment)
+    if start == end or not g.rows:
+        return np.zeros((0, ITEM_COLS), dtype=np.int64), n_seg
+    table = int_rows(span.block_ids[start // eb : blocks_needed], 1, f"{name}.block_ids")[:, 0]
+    bad = (table < 0) | (table >= g.num_blocks)
+    if bad.any():
+        block = int(table[int(np.argmax(bad))])
+        raise ValueError(f"{name}.block_ids: block id {block} out of range [0, {g.num_blocks})")
+    first_block = start // eb
+    cuts = np.union1d(
+        np.arange(first_block + 1, blocks_needed, dtype=np.int64) * eb,
+        np.arange(start // segment + 1, n_seg, dtype=np.int64) * segment,
+    )
+    bounds = np.concatenate([[start], cuts, [end]]).astype(np.int64)
+    lo, hi = bounds[:-1], bounds[1:]
+    blk = lo // eb
+    rank, world, ilv = g.dcp
+    klo = _local_slots(lo - blk * eb, rank, world, ilv)
+    khi = _local_slots(hi - blk * eb, rank, world, ilv)
+    keep = klo < khi
+    items = np.empty((int(keep.sum()), ITEM_COLS), dtype=np.int64)
+    blk = blk[keep]
+    items[:, 0] = table[blk - first_block]
+    items[:, 1] = klo[keep]
+    items[:, 2] = khi[keep]
+    items[:, 3] = blk * eb + rank * ilv
+    # Without DCP every formula reduces to slot s -> token pos_base + s.
+    items[:, 4] = ilv if world > 1 else 1
+    items[:, 5] = ilv * world if world > 1 else 1
+    items[:, 6] = cell_base + lo[keep] // segment
+    items[:, 7] = n_seg
+    return items, n_seg
+
+
+def items_per_unit(pairs: int, programs: int) -> int:
+    """Items one unit walks: enough to amortize a unit's set-up and its
+    atomic add, few enough that every program gets several units."""
+    return max(1, min(MAX_ITEMS_PER_UNIT, pairs // (UNITS_PER_PROGRAM * programs)))
+
+
+def work_buffer(
+    kinds: Sequence[tuple[np.ndarray, int, int]], n_cells: int, programs: int
+) -> tuple[np.ndarray, int, int]:
+    """The kernel's work buffer, its work units and the output's offset.
+
+    Args:
+        kinds: per group with work, ``(items, n_rows, first row)``.
+        n_cells: output cells, zeroed in the buffer (the kernel adds to them).
+        programs: the launch's grid size (sets the items per unit).
+    """
+    n_items = sum(len(items) for items, _, _ in kinds)
+    pairs = sum(len(items) * n_rows for items, n_rows, _ in kinds)
+    per_unit = items_per_unit(pairs, programs)
+    out_offset = HEADER + KIND_COLS * len(kinds) + ITEM_COLS * n_items
+    work = np.zeros(out_offset + n_cells, dtype=np.int64)
+    units, item_start = 0, 0
+    body = work[HEADER + KIND_COLS * len(kinds) : out_offset].reshape(-1, ITEM_COLS)
+    for k, (items, n_rows, row_start) in enumerate(kinds):
+        n_chunks = -(-len(items) // per_unit)
+        work[HEADER + k * KIND_COLS : HEADER + k * KIND_COLS + 7] = (
+            units,
+            len(items),
+            n_rows,
+            item_start,
+            row_start,
+            per_unit,
+            n_chunks,
+        )
+        body[item_start : item_start + len(items)] = items
+        units += n_chunks * n_rows
+        item_start += len(items)
+    if units > MAX_INT32 or n_items * ITEM_COLS > MAX_INT32:
+        raise ValueError(f"requests: {units} work units exceed one launch; split the call")
+    work[:3] = (len(kinds), units, out_offset)
+    return work, units, out_offset

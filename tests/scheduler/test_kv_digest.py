@@ -1,0 +1,354 @@
+"""``verify_kv: digest`` on the real Scheduler (0.32 and 0.33): P sends the
+digest of its prompt's KV in the ``kvtail`` entry, D checks what a load wrote
+and reports a mismatch as a failed load.
+
+P and D run the wrapper around the transport double; the "transfer" copies
+P's blocks into D's (``transfer``), so D holds exactly P's bytes unless a test
+changes one. Expected sums come from the plain reference
+(``ops/digest_reference.py``), never from the code under test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
+
+from kvtail_connector import entry
+from kvtail_connector import kv_digests as kv_digests_mod
+from kvtail_connector.ops.digest_reference import ALGORITHM, reference_digest
+from tests.helpers.lifecycle import BLOCK, Harness
+from tests.helpers.vllm_factories import run_step
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+PROMPT = 37
+
+
+def producer(zero_tails: str = "always", **kw: Any) -> Harness:
+    return Harness(zero_tails, kv_role="kv_producer", verify_kv="digest", **kw)
+
+
+def consumer(zero_tails: str = "always", **kw: Any) -> Harness:
+    return Harness(zero_tails, kv_role="kv_consumer", verify_kv="digest", **kw)
+
+
+def fill(h: Harness, seed: int) -> None:
+    """Every layer's cache gets distinct random content (no NaN poison)."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in LAYERS:
+        view = h.caches.views[layer]
+        view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
+
+
+def finished(engine_outputs: dict[int, Any]) -> dict[str, Any]:
+    return {
+        o.request_id: o
+        for outs in engine_outputs.values()
+        for o in outs.outputs
+        if o.finish_reason is not None
+    }
+
+
+def prefill(h: Harness, req_id: str = "p1", num_tokens: int = PROMPT) -> dict[str, Any]:
+    """P's prefill leg; the params it returns (the entry added in place)."""
+    h.add(req_id, num_tokens, max_tokens=1, do_remote_decode=True)
+    _, outputs = run_step(h.scheduler, h.worker)
+    params = finished(outputs)[req_id].kv_transfer_params
+    h.scheduler.schedule()
+    return params
+
+
+def reference(h: Harness, block_ids: list[int], start: int, end: int, segment: int) -> dict:
+    caches = [h.caches.views[layer] for layer in LAYERS]
+    (sums,) = reference_digest([{"caches": caches}], [[(block_ids, start, end)]], segment)[0]
+    return sums
+
+
+@pytest.fixture(scope="module")
+def sent() -> tuple[Harness, dict[str, Any]]:
+    """A producer that digested a 37-token prompt over random KV, and its params."""
+    p = producer()
+    fill(p, seed=1)
+    return p, prefill(p)
+
+
+def test_the_producer_sends_the_sums_of_its_prompt_kv(sent):
+    p, params = sent
+    found, why = entry.read(params)
+    assert why == "ok" and found is not None and found.digest is not None
+    dg = found.digest
+    assert (dg.algorithm, dg.segment) == (ALGORITHM, 1024)
+    (ids,) = params["remote_block_ids"]
+    expected = reference(p, ids, 0, PROMPT, 1024)
+    assert dg.sums == {0: {h: tuple(v) for h, v in expected.items()}}
+    assert found.tail_zero  # zero_tails "always": P vouches too
+    raw = params[entry.KEY]["dg"]["g"]["0"]["0"]
+    assert len(raw) == 1 and len(raw[0]) == 16  # hex strings, one segment
+    assert p.stats["digests_sent"] == 1 and p.stats["tails_vouched"] == 1
+    assert p.worker.scheduler_state_is_empty()
+    assert p.scheduler.connector.scheduler_state_is_empty()
+
+
+def test_a_producer_that_does_not_zero_still_sends_its_digest():
+    p = producer("off")
+    fill(p, seed=2)
+    params = prefill(p, num_tokens=48)  # block-aligned: three whole blocks
+    found = entry.read(params)[0]
+    assert found is not None and not found.tail_zero and found.digest is not None
+    (ids,) = params["remote_block_ids"]
+    assert found.digest.sums[0] == {h: tuple(v) for h, v in reference(p, ids, 0, 48, 1024).items()}
+    assert "tail" not in params[entry.KEY]
+    assert p.stats["tails_vouched"] == 0 and p.stats["digests_sent"] == 1
+
+
+def test_with_verify_kv_off_the_producer_sends_no_digest():
+    p = Harness("always", kv_role="kv_producer")
+    params = prefill(p)
+    assert "dg" not in params[entry.KEY]
+    assert p.stats["digests_sent"] == 0
+
+
+# ------------------------------------------------------------------ consumer
+
+
+def transfer(p: Harness, p_ids: list[int], d: Harness, req_id: str, num_tokens: int) -> None:
+    """The transport: D's blocks of ``req_id`` get P's blocks' bytes."""
+    d_ids = d.inner_scheduler.blocks_by_req[req_id][0]
+    n_blocks = -(-num_tokens // BLOCK)
+    for layer in LAYERS:
+        for pb, db in zip(p_ids[:n_blocks], d_ids[:n_blocks], strict=True):
+            d.caches.views[layer][db] = p.caches.views[layer][pb]
+
+
+def consume(
+    sent: tuple[Harness, dict[str, Any]],
+    kvtail: Any,
+    flip: tuple[int, int] | None = None,
+    **kw: Any,
+) -> tuple[Harness, dict[str, Any]]:
+    """D loads P's 37 tokens with ``kvtail`` in its params; with ``flip``
+    (layer, token) one byte of that token's received KV differs from P's.
+    Returns D and the finished outputs by request."""
+    p, params = sent
+    d = consumer(**kw)
+    load: dict[str, Any] = {"double_load_tokens": PROMPT, "double_finish_after_steps": 2}
+    if kvtail is not None:
+        load[entry.KEY] = kvtail
+    d.add("c1", PROMPT, **load)
+    outputs: dict[str, Any] = {}
+    _, out = run_step(d.scheduler, d.worker)
+    outputs.update(finished(out))
+    (p_ids,) = params["remote_block_ids"]
+    transfer(p, p_ids, d, "c1", PROMPT)
+    if flip is not None:
+        layer, token = flip
+        d_ids = d.inner_scheduler.blocks_by_req["c1"][0]
+        raw = d.caches.views[LAYERS[layer]][d_ids[token // BLOCK], 0, token % BLOCK]
+        raw.view(torch.uint8)[3] ^= 0x10
+    for _ in range(50):
+        if not d.scheduler.has_requests():
+            break
+        _, out = run_step(d.scheduler, d.worker)
+        outputs.update(finished(out))
+    d.scheduler.schedule()
+    assert d.scheduler.connector.scheduler_state_is_empty()
+    assert d.worker.scheduler_state_is_empty()
+    return d, outputs
+
+
+def test_a_load_equal_to_what_the_producer_digested_is_verified(sent):
+    d, outputs = consume(sent, sent[1][entry.KEY])
+    assert d.stats["digests_verified"] == 1
+    assert d.stats["digest_mismatches"] == 0 and d.stats["failed_loads"] == 0
+    assert outputs["c1"].finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("token", [0, 20, PROMPT - 1])
+def test_one_flipped_byte_is_a_mismatch_and_the_request_is_recomputed(sent, token, caplog):
+    d, outputs = consume(sent, sent[1][entry.KEY], flip=(1, token))
+    assert d.stats["digest_mismatches"] == 1 and d.stats["digests_verified"] == 0
+    assert d.stats["failed_loads"] == 1
+    assert "request c1: the loaded KV differs" in caplog.text
+    assert "tokens [0, 37)" in caplog.text
+    # recompute: the request ran its prefill locally and finished normally.
+    assert outputs["c1"].finish_reason == FinishReason.LENGTH
+
+
+def test_with_the_fail_policy_a_mismatch_ends_the_request_with_an_error(sent):
+    d, outputs = consume(sent, sent[1][entry.KEY], flip=(0, 5), kv_load_failure_policy="fail")
+    assert d.stats["digest_mismatches"] == 1
+    assert outputs["c1"].finish_reason == FinishReason.ERROR
+
+
+def _edited_digest(kvtail: dict[str, Any], **dg: Any) -> dict[str, Any]:
+    return {**kvtail, "dg": {**kvtail["dg"], **dg}}
+
+
+@pytest.mark.parametrize(
+    "kvtail",
+    [
+        None,
+        "no-dg",
+        {"alg": "mix64-2"},
+        {"sig": "0" * 16},
+        {"seg": 100},
+        {"g": {"0": {"0": ["xyz"]}}},
+    ],
+    ids=["no-entry", "no-digest", "other-algorithm", "other-layout", "bad-segment", "malformed"],
+)
+def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
+    good = sent[1][entry.KEY]
+    if kvtail == "no-dg":
+        kvtail = {k: v for k, v in good.items() if k != "dg"}
+    elif isinstance(kvtail, dict):
+        kvtail = _edited_digest(good, **kvtail)
+    d, outputs = consume(sent, kvtail, flip=(0, 3))  # a flip nobody can see
+    assert d.stats["digests_skipped"] == 1
+    assert d.stats["digests_verified"] == 0 and d.stats["digest_mismatches"] == 0
+    assert d.stats["failed_loads"] == 0
+    assert outputs["c1"].finish_reason == FinishReason.LENGTH
+    if kvtail is not None and kvtail.get("tail") == "zero":
+        # A malformed dg leaves the rest of the entry usable: the tail claim holds.
+        assert d.stats["vouched_tails"] == 1
+
+
+def test_with_verify_kv_off_the_consumer_does_not_verify(sent):
+    p, params = sent
+    d = Harness("always", kv_role="kv_consumer")
+    d.add("c1", PROMPT, double_load_tokens=PROMPT, **{entry.KEY: params[entry.KEY]})
+    run_step(d.scheduler, d.worker)
+    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
+    d.finish()
+    assert all(r.expected is None for r in d.records())
+    for counter in ("digests_verified", "digests_skipped", "digest_mismatches"):
+        assert d.stats[counter] == 0
+
+
+class _LateEvent:
+    """A CUDA event stand-in that fires after ``after`` queries."""
+
+    def __init__(self, after: int) -> None:
+        self.left = after
+        self.synchronized = False
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        # Waiting on an event that fired already costs nothing; before, it blocks.
+        self.synchronized = self.synchronized or self.left >= 0
+
+
+def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatch):
+    events: list[_LateEvent] = []
+    real = kv_digests_mod.KVDigester.digest
+
+    def late(self: Any, requests: Any) -> Any:
+        pending = real(self, requests)
+        pending.event = _LateEvent(after=2)
+        events.append(pending.event)
+        return pending
+
+    monkeypatch.setattr(kv_digests_mod.KVDigester, "digest", late)
+    p, params = sent
+    d = consumer()
+    d.add(
+        "c1",
+        PROMPT,
+        double_load_tokens=PROMPT,
+        double_finish_after_steps=2,
+        **{entry.KEY: params[entry.KEY]},
+    )
+    run_step(d.scheduler, d.worker)
+    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
+    waiting = []
+    for _ in range(4):
+        run_step(d.scheduler, d.worker)
+        waiting.append(d.scheduler.requests["c1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    # The load completes in the first of these steps; its digest reaches the
+    # host at the third query, and only then does the scheduler see the load
+    # (it promotes the request at its next schedule). Unheld: [True, False, ...].
+    assert waiting == [True, True, True, False] and len(events) == 1
+    assert not events[0].synchronized  # released by its event, never waited for
+    d.finish()
+    assert d.stats["digests_verified"] == 1
+
+
+def test_a_digest_that_never_lands_is_waited_for_after_max_passes(sent, monkeypatch):
+    real = kv_digests_mod.KVDigester.digest
+    events: list[_LateEvent] = []
+
+    def never(self: Any, requests: Any) -> Any:
+        pending = real(self, requests)
+        pending.event = _LateEvent(after=10**6)
+        events.append(pending.event)
+        return pending
+
+    monkeypatch.setattr(kv_digests_mod.KVDigester, "digest", never)
+    p, params = sent
+    d = consumer()
+    d.add(
+        "c1",
+        PROMPT,
+        double_load_tokens=PROMPT,
+        double_finish_after_steps=2,
+        **{entry.KEY: params[entry.KEY]},
+    )
+    run_step(d.scheduler, d.worker)
+    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
+    d.finish()
+    assert events[0].synchronized and d.stats["digests_verified"] == 1
+
+
+# ------------------------------------------------------------ ranks and wire
+
+
+def _rank_parts(full: list[torch.Tensor], tp: int, blocks: list[int], n: int) -> list[Any]:
+    """Each TP rank's part of one request's digest, its heads sliced as vLLM
+    shards them (replicated where TP exceeds the KV heads)."""
+    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.metadata import GroupLoad, LoadRecord
+
+    heads = full[0].shape[1]
+    parts = []
+    for rank in range(tp):
+        if tp <= heads:
+            per = heads // tp
+            local = [c[:, rank * per : (rank + 1) * per].clone() for c in full]
+        else:
+            head = rank // (tp // heads)
+            local = [c[:, head : head + 1].clone() for c in full]
+        sets = [CacheSet(0, 1, 1, list(local))]
+        digests = kv_digests_mod.RankDigests(sets, kv_digests_mod.HeadPlacement(rank, tp, heads))
+        record = LoadRecord("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
+        parts.append(digests.digest_prompts([record])["r"])
+    return parts
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8], ids=lambda t: f"tp{t}")
+def test_the_ranks_parts_add_up_to_the_single_rank_digest_through_pickling(tp):
+    import pickle
+
+    g = torch.Generator().manual_seed(5)
+    full = [torch.randn(6, 4, BLOCK, 8, generator=g) for _ in range(2)]  # 4 KV heads
+    blocks, n = [4, 1, 5], 40
+    parts = [pickle.loads(pickle.dumps(p)) for p in _rank_parts(full, tp, blocks, n)]
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merged(part)
+    assert merged.ranks == tp
+    (expected,) = reference_digest([{"caches": full}], [[(blocks, 0, n)]], 1024)[0]
+    assert merged.digest().sums == {0: {h: tuple(v) for h, v in expected.items()}}
+
+
+def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
+    from kvtail_connector.metadata import DigestPart
+
+    a = DigestPart("mix64-1", 1024, "a" * 16, {0: {0: (1,)}})
+    b = DigestPart("mix64-1", 1024, "b" * 16, {0: {1: (2,)}})
+    assert a.merged(b).digest() is None
+    assert a.merged(DigestPart("mix64-1", 1024, "a" * 16, {0: {1: (2,)}})).digest() is not None
