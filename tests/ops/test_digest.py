@@ -372,7 +372,10 @@ def test_cuda_result_arrives_through_an_event(heads, slots, content, dtype):
     digester = KVDigester([DigestGroup(b.views)])
     digester.warmup()
     table = blocks(256, 12)
-    requests = [[GroupSpan(table[:128], 0, 128 * slots - 3)], [GroupSpan(table[128:], 5, 2100)]]
+    requests = [
+        [GroupSpan(table[:128], 0, 128 * slots - 3)],
+        [GroupSpan(table[128:], 5, min(2100, 128 * slots))],  # within its 128 blocks
+    ]
     pending = digester.digest(requests)
     assert pending.launched and pending.event is not None
     got = pending.result()
