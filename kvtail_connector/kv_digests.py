@@ -284,6 +284,8 @@ class RankDigests:
                     logger.debug(
                         "kvtail: %s: the producer's digest lacks head %d", record.req_id, head
                     )
+                    if first_bad is not None:
+                        break  # a difference found already stands
                     return UNVERIFIED
                 for s in check.segments:
                     compared += 1
@@ -321,9 +323,8 @@ def record_block_tokens(sets: Sequence[CacheSet], group: int) -> int:
 def _inside(segment: int, num_tokens: int, start: int, end: int) -> range:
     """Segments of a ``num_tokens`` digest lying entirely inside ``[start, end)``."""
     first = -(-start // segment)
-    last = -(-num_tokens // segment)
-    while last > first and min(last * segment, num_tokens) > end:
-        last -= 1
+    # The last segment ends at num_tokens, every other one at a multiple of segment.
+    last = -(-num_tokens // segment) if num_tokens <= end else end // segment
     return range(first, max(first, last))
 
 

@@ -110,7 +110,8 @@ def _digest_duties(
         refusal = (
             "the inner connector gives the consumer no per-request producer parameters taken "
             "after the producer's last prompt forward (store backends such as MooncakeStore, "
-            "MoRIIO WRITE)"
+            "MoRIIO WRITE, a MultiConnector backend, NIXL with a host buffer: "
+            'kv_buffer_device "cpu" on a GPU)'
         )
     elif is_consumer and sync_read:
         refusal = (
@@ -127,14 +128,16 @@ def _digest_duties(
             f"pipeline parallelism (size {pipeline_parallel_size}) gives each rank a subset "
             "of the layers a segment's sum covers"
         )
-    elif is_producer and producer_hook is None:
+    elif is_producer and not is_consumer and producer_hook is None:
         refusal = (
             "no runner hook on this producer is ordered after the prompt's last KV write "
             "(a drafter writes draft KV past the prompt after the forward)"
         )
     if refusal is not None:
         raise ValueError(f'{_VERIFY}: "digest" cannot work here: {refusal}. Set it to "off".')
-    return is_producer, is_consumer
+    # kv_both with a drafter (a decode engine as vLLM's NIXL examples set it up):
+    # it still verifies what it loads; it digests nothing it sends.
+    return is_producer and producer_hook is not None, is_consumer
 
 
 def resolve_policy(

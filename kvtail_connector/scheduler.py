@@ -363,11 +363,14 @@ class TailScheduler:
         one (what the workers check the load against); counted as skipped
         where it has none."""
         found, why = entry.read(request.kv_transfer_params)
-        if found is None or found.digest is None:
-            self._stats.add("digests_skipped", 1)
-            logger.debug("kvtail: %s: no producer digest (%s)", request.request_id, why)
-            return None
-        return ExpectedDigest(found.num_tokens, found.digest)
+        if found is not None and found.digest is not None:
+            if found.num_tokens != int(request.num_prompt_tokens):
+                why = "digest of another prompt length"
+            else:
+                return ExpectedDigest(found.num_tokens, found.digest)
+        self._stats.add("digests_skipped", 1)
+        logger.debug("kvtail: %s: no producer digest (%s)", request.request_id, why)
+        return None
 
     def _count_verdicts(self, connector_output: Any, worker_meta: KVTailWorkerMeta | None) -> None:
         """Fold this step's verdicts of the ranks; count each load once vLLM

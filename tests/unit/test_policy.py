@@ -177,6 +177,28 @@ def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     _verify("off", **facts)  # off: never refused
 
 
+def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_nothing():
+    # vLLM's NIXL examples run decode engines as kv_both; decode engines run MTP/EAGLE.
+    both = _verify(is_producer=True, is_consumer=True, producer_hook=None)
+    assert both.verify_loads and not both.digest_prompts
+
+
 def test_a_producer_with_sync_reads_may_digest():
     # MoRIIO READ producers: their consumer reads P's blocks after the params.
     assert _verify(is_producer=True, sync_read=True).digest_prompts
+
+
+def test_segments_inside_a_range_match_a_brute_force_count():
+    from kvtail_connector.kv_digests import _inside
+
+    for segment in (256, 1024):
+        for n in (1, 255, 256, 257, 3000, 4096):
+            for start in (0, 1, 256, 300, 1024):
+                for end in (start, start + 1, 1024, 2048, n, n + 5):
+                    want = [
+                        j
+                        for j in range(-(-n // segment))
+                        if j * segment >= start and min((j + 1) * segment, n) <= end
+                    ]
+                    assert list(_inside(segment, n, start, end)) == want, (segment, n, start, end)
+    assert len(_inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n
