@@ -446,10 +446,15 @@ class TailWorker:
         trusted = [r for r in records if r.vouched]
         if trusted:
             # READs copy the producer's blocks, zeroed at the source: no
-            # per-layer launch (the probe's canary covers async loads only).
-            self._count_vouched(
-                [self._zeroing(r.req_id, self._tail_items(r)) for r in trusted], trusted
+            # per-layer launch and no work lines, only the bytes left alone
+            # (the probe's canary covers async loads only).
+            tail_bytes = self._tail_bytes if self._zeroer is not None else None
+            nbytes = (
+                sum(tail_bytes(s, first) for r in trusted for s, _, first in self._tail_items(r))
+                if tail_bytes is not None
+                else 0
             )
+            self._count_vouched(nbytes, trusted)
             records = [r for r in records if not r.vouched]
             if not records:
                 return
@@ -513,7 +518,7 @@ class TailWorker:
             return []
         lined = [b for b in batches if b.lines]
         if not self._policy.probe or not lined:
-            self._count_vouched(batches, records)
+            self._count_vouched(sum(b.nbytes for b in batches), records)
             return []
         found = probe_items(
             self._sets,
@@ -522,7 +527,7 @@ class TailWorker:
         )
         false = {req for req, (nonzero, _) in found.items() if nonzero}
         honest = [r for r in records if r.req_id not in false]
-        self._count_vouched([b for b in batches if b.owner not in false], honest)
+        self._count_vouched(sum(b.nbytes for b in batches if b.owner not in false), honest)
         if self._per_request:
             self._stats.add("probed_tails", sum(self._has_tail(r) for r in honest))
         self._count_tails(sum(self._has_tail(r) for r in records if r.req_id in false))
@@ -540,8 +545,8 @@ class TailWorker:
             self._stats.add("false_vouches", len(false))
         return [b for b in lined if b.owner in false]
 
-    def _count_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> None:
-        self._stats.add("vouched_tail_bytes", sum(b.nbytes for b in batches))
+    def _count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:
+        self._stats.add("vouched_tail_bytes", nbytes)
         if self._per_request:
             self._stats.add("vouched_tails", sum(self._has_tail(r) for r in records))
 
