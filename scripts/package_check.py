@@ -10,7 +10,7 @@ plugin loader registers ``KVTailConnector`` from the wheel's entry point, and
 that each transport extra resolves against the package index.
 
     scripts/package-check                   # or: make package-check (make test runs it)
-    scripts/package-check --tag v0.2.0      # also: the tag names the package's version
+    scripts/package-check --tag v0.2.0      # also: the tag names the version, CHANGELOG has it
     scripts/package-check --keep-dist dist  # keep the checked sdist and wheel (release)
     scripts/package-check --venv DIR        # the environment with vLLM, build, twine
 
@@ -475,15 +475,19 @@ def check(args: argparse.Namespace) -> int:
     if not python.exists():
         fail(f"{python} not found: run scripts/setup-env (or pass --venv)")
     version = tree_version()
-    if args.tag is not None and args.tag != f"v{version}":
-        fail(f"tag {args.tag} does not name the package version {version} (want v{version})")
+    if args.tag is not None:
+        if args.tag != f"v{version}":
+            fail(f"tag {args.tag} does not name the package version {version} (want v{version})")
+        changelog = (ROOT / "CHANGELOG.md").read_text()
+        if not re.search(rf"^## \[{re.escape(version)}\]", changelog, re.M):
+            fail(f"CHANGELOG.md has no '## [{version}]' section for the release {args.tag}")
 
     with tempfile.TemporaryDirectory(prefix="kvtail-package-check-") as tmp_name:
         tmp = Path(tmp_name)
         step(f"build the sdist and the wheel ({python} -m build, from a copy of the tree)")
         sdist, wheel = build(python, tmp, version)
         if args.tag is not None:
-            ok(f"tag {args.tag} names the package version {version}")
+            ok(f"tag {args.tag} names the package version {version}, and CHANGELOG.md has it")
 
         step("twine check --strict")
         run([str(python), "-m", "twine", "check", "--strict", str(sdist), str(wheel)], cwd=tmp)
