@@ -60,8 +60,10 @@ BACKEND_DISTS = (
     "msgpack",
 )
 HIDDEN_BACKENDS = ("nixl*", "mooncake*", "mori", "amd_mori*", "msgpack*")
-# The test environment's own kvtail-connector (editable): the fresh one must be
-# the only one importable and the only entry point.
+# The test environment's own kvtail-connector (editable install: dist-info with
+# the entry point, finder, .pth) must not be seen: the wheel's must be the only
+# one importable and the only entry point. .pth files would not run from the
+# view anyway; caches are not needed.
 HIDDEN_SELF = ("kvtail_connector*", "__editable__*kvtail*", "__pycache__", "*.pth")
 # Present in the CI environment (requirements-ci.txt): hiding them is what the
 # import check tests, so the check refuses to run where there is nothing to hide.
