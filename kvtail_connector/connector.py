@@ -445,7 +445,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             return scheduler.build_connector_meta(scheduler_output, inner_meta)
         except Exception as exc:
             meta = self._guard.failed(
-                exc, "build_connector_meta", (), lambda: scheduler.contain_meta(inner_meta)
+                exc,
+                "build_connector_meta",
+                safe_ids(scheduler.pending_loads),
+                lambda: scheduler.contain_meta(inner_meta),
             )
             return meta if meta is not None else KVTailMetadata(inner=inner_meta)
 

@@ -25,6 +25,7 @@ the inner-or-ours test walks the traceback only once something was raised.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -36,10 +37,23 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 
 
+_INNER = "_kvtail_raised_by_inner"
+
+
+def mark_inner(exc: BaseException) -> None:
+    """Tag ``exc`` as the inner connector's: call where the wrapper's code
+    calls an inner method (``except BaseException as e: mark_inner(e); raise``)."""
+    # An exception type without attributes: the frame walk decides.
+    with contextlib.suppress(Exception):
+        setattr(exc, _INNER, True)
+
+
 def raised_by(exc: BaseException, obj: object) -> bool:
-    """Whether ``exc`` passed through a method of ``obj`` (a frame whose
-    ``self`` is ``obj``): raised by the inner connector, or by something it
-    called, rather than by the wrapper's own code."""
+    """Whether ``exc`` is the inner connector's (``obj``): tagged by
+    :func:`mark_inner`, or passed through a method of ``obj`` (a frame whose
+    ``self`` is ``obj``); otherwise it is the wrapper's own."""
+    if getattr(exc, _INNER, False):
+        return True
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_locals.get("self") is obj:

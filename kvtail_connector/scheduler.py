@@ -26,6 +26,7 @@ from typing import Any
 
 from kvtail_connector import _compat, entry
 from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.containment import mark_inner
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
@@ -282,11 +283,16 @@ class TailScheduler:
         self._matched.pop(request.request_id, None)
         self._failing.append(request.request_id)
 
+    @property
+    def pending_loads(self) -> list[str]:
+        """Requests whose load record waits for this step's metadata."""
+        return [*self._failing, *(r.req_id for r in self._pending)]
+
     def contain_meta(self, inner_meta: Any) -> KVTailMetadata:
         """``build_connector_meta`` failed: the inner metadata, untouched; the
         step's pending async loads are reported failed at completion, its
         READ and producer records are not shipped (no claim is made)."""
-        failing = (*self._failing, *(r.req_id for r in self._pending))
+        failing = tuple(self.pending_loads)
         self._failing.clear()
         self._pending.clear()
         self._pending_reads.clear()
@@ -518,11 +524,19 @@ class TailScheduler:
         tail = tail_block(num_loaded, self._groups[group].effective_block)
         return None if tail is None else tail[0]
 
+    def _loaded_groups(self, request: Any) -> Any:
+        """The inner connector's answer; its exceptions tagged as its own."""
+        try:
+            return self._inner.get_loaded_kv_cache_group_ids(request)
+        except BaseException as exc:
+            mark_inner(exc)
+            raise
+
     def _written_blocks(self, request: Any, blocks: Any, local: int, loaded: int) -> list[int]:
         """The non-null blocks a load of tokens ``[local, loaded)`` writes, all groups."""
         block_ids = blocks.get_block_ids()
         out: list[int] = []
-        for gid in self._inner.get_loaded_kv_cache_group_ids(request):
+        for gid in self._loaded_groups(request):
             eb = self._groups[gid].effective_block
             out.extend(b for b in block_ids[gid][local // eb : -(-loaded // eb)])
         return [b for b in out if b != _compat.NULL_BLOCK_ID]
@@ -540,7 +554,7 @@ class TailScheduler:
         """The load's record, or None when block-aligned (nothing to zero or
         watch) unless ``keep`` (a load to verify)."""
         block_ids = blocks.get_block_ids()
-        loaded_groups = self._inner.get_loaded_kv_cache_group_ids(request)
+        loaded_groups = self._loaded_groups(request)
         entries = []
         any_tail = False
         for gid in loaded_groups:
