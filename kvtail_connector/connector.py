@@ -295,10 +295,18 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 self._guard.failed(exc, "start_load_kv (fence)")
         self._inner.start_load_kv(forward_context, **kwargs)
         if worker is not None and worker.has_read_loads:
+            reads = worker.read_loads
+            landed = False
             try:
-                worker.reads_started(_compat.moriio_reads_landed_at_start(forward_context))
+                landed = _compat.moriio_reads_landed_at_start(forward_context)
+                worker.reads_started(landed)
             except Exception as exc:
-                self._guard.failed(exc, "start_load_kv (READ tails)", (), worker.contain_reads)
+                self._guard.failed(
+                    exc,
+                    "start_load_kv (READ tails)",
+                    safe_ids(reads),
+                    lambda: worker.contain_reads(reads, landed),
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._inner.wait_for_layer_load(layer_name)

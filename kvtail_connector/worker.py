@@ -58,6 +58,7 @@ from kvtail_connector.metadata import (
     KVTailWorkerMeta,
     LoadRecord,
 )
+from kvtail_connector.ops import reference_zero_kv_blocks
 from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.work import Line
 from kvtail_connector.policy import TailPolicy
@@ -322,9 +323,32 @@ class TailWorker:
             return inner
         return KVTailWorkerMeta(inner=inner, ranks=frozenset({self._rank}))
 
-    def contain_reads(self) -> None:
-        """READ tail zeroing failed: forget this step's READ work."""
+    @property
+    def read_loads(self) -> list[LoadRecord]:
+        """The READ loads bound this step (``reads_started`` replaces the list)."""
+        return self._read_loads
+
+    def contain_reads(self, records: list[LoadRecord], landed: bool) -> None:
+        """``reads_started`` failed. Where every READ has landed (``landed``),
+        zero the records' tails now, before the forward, on the reference path
+        (slow, exact, independent of the zeroer's kernels and work lines);
+        otherwise a READ may still land over a zeroing, so nothing is zeroed
+        (the ERROR says so). Forget this step's READ work either way."""
         self._read_loads = []
+        if not landed or self._released is not None:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
+                ", ".join(r.req_id for r in records),
+            )
+            return
+        for record in records:
+            for index, block, first in self._tail_items(record):
+                cache_set = self._sets[index]
+                reference_zero_kv_blocks(
+                    cache_set.caches,
+                    tails=[(block, first)],
+                    pages_per_block=cache_set.pages_per_block,
+                )
 
     def _drop_producer_work(self) -> None:
         self._producer_tails = []
