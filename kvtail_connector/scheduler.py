@@ -199,9 +199,8 @@ class TailScheduler:
             read_loads=read_loads,
             producer_tails=producer,
             producer_digests=digests,
-            failing=tuple(self._failing) if self._failing else (),
+            failing=self._take_failing() if self._failing else (),
         )
-        self._failing.clear()
         if self._pending or read_loads or producer:
             logger.debug(
                 "kvtail: shipping %d load(s), %d READ load(s), %d producer tail(s)",
@@ -276,6 +275,11 @@ class TailScheduler:
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook
     # (kvtail_connector.containment): minimal, and never half a claim.
+
+    def _take_failing(self) -> tuple[str, ...]:
+        failing = tuple(self._failing)
+        self._failing.clear()
+        return failing
 
     def contain_alloc(self, request: Any) -> None:
         """``update_state_after_alloc`` failed: the load may have no record;

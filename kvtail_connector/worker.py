@@ -436,11 +436,6 @@ class TailWorker:
             results = self._report_failing(results, finished_req_ids)
         return results
 
-    def fail_loads(self, req_ids: Iterable[str]) -> None:
-        """Report these loads failed when they complete (a contained internal
-        error lost or may have corrupted their records)."""
-        self._failing.update(req_ids)
-
     def _report_failing(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
