@@ -177,6 +177,7 @@ class TailWorker:
         kv_cache_config: Any,
         layer_objects: Mapping[str, Any] | None = None,
     ) -> None:
+        self._released = None  # new caches supersede any put away by sleep mode
         if not self._policy.needs_caches:
             return
         self._sets = cache_sets(kv_caches, kv_cache_config, self._groups, layer_objects)

@@ -15,6 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtail_connector import entry
 from tests.helpers.lifecycle import Harness, slot_state
+from tests.helpers.worker_caches import allocate
 from tests.scheduler.test_kv_digest import consumer, fill, prefill, producer, transfer
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -132,3 +133,20 @@ def test_verification_works_after_release_sleep_wake(flip):
         (1, 0) if flip else (0, 1)
     )
     assert d.stats["failed_loads"] == (1 if flip else 0)
+
+
+def test_caches_registered_while_asleep_are_not_replaced_by_the_old_ones_on_wake():
+    h = Harness("always")
+    h.worker.unregister_kv_caches()
+    fresh = allocate(h.kv_cache_config)
+    h.worker.register_kv_caches(fresh.views)  # a new KV cache, registered anew
+    h.worker.restore_kv_caches()
+    h.caches = fresh  # the transport writes into the registered caches
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()
+    h.land("r1", 0, 0, 70)
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    h.step()
+    assert slot_state(fresh.views[LAYERS[0]], ids[4]) == ["loaded"] * 6 + ["zero"] * 10
+    h.finish()
+    assert h.stats["tails_zeroed"] == 1
