@@ -357,11 +357,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:
             return self._inner.get_block_ids_with_load_errors()
+        worker = self._worker
         try:
-            return self._worker.take_load_errors(self._inner)
+            return worker.take_load_errors(self._inner)
         except Exception as exc:
-            self._guard.failed(exc, "get_block_ids_with_load_errors")
-            return set()
+            ids = self._guard.failed(
+                exc, "get_block_ids_with_load_errors", (), worker.contain_load_errors
+            )
+            return ids if ids is not None else set()
 
     def shutdown(self) -> None:
         self._inner.shutdown()

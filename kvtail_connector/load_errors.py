@@ -57,8 +57,16 @@ class LoadErrorLedger:
         """The runner's ``get_block_ids_with_load_errors``: ids fetched early in
         this pass plus what the inner connector reports now (attributed too)."""
         fresh = _ask(inner)
+        self._for_runner |= fresh  # first: kept for drain() should attributing fail
         self._attribute(fresh)
-        out, self._for_runner = self._for_runner | fresh, set()
+        out, self._for_runner = self._for_runner, set()
+        return out
+
+    def drain(self) -> set[int]:
+        """Every id fetched and not yet handed to the runner (after a contained
+        internal error: the runner still gets every id the inner connector
+        reported)."""
+        out, self._for_runner = self._for_runner, set()
         return out
 
     def _attribute(self, errors: set[int]) -> None:

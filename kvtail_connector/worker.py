@@ -329,6 +329,10 @@ class TailWorker:
         """The READ loads bound this step (``reads_started`` replaces the list)."""
         return self._read_loads
 
+    def contain_load_errors(self) -> set[int]:
+        """``take_load_errors`` failed: the ids fetched so far, unattributed."""
+        return self._errors.drain()
+
     def contain_reads(self, records: list[LoadRecord], landed: bool) -> None:
         """``reads_started`` failed. Where every READ has landed (``landed``),
         zero the records' tails now, before the forward, on the reference path

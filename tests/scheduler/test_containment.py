@@ -234,3 +234,46 @@ def test_raised_by_tells_the_inner_connectors_frames_from_ours():
     with pytest.raises(ZeroDivisionError) as own:
         _ = 1 // 0
     assert not raised_by(own.value, inner)
+
+
+def test_invalid_blocks_reach_vllm_when_attributing_them_fails():
+    # The inner connector reports a block of r1's load invalid; the wrapper's
+    # attribution fails: vLLM must still get the id (and so fail the load).
+    h = Harness("always")
+    with pytest.MonkeyPatch.context() as patch:
+        h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+        h.step()
+        ids = h.inner_scheduler.blocks_by_req["r1"][0]
+        h.worker.inner.report_invalid_blocks("r1", {ids[1]})
+        patch.setattr(h.worker._worker._errors, "_attribute", _raise)
+        out = run_step(h.scheduler, h.worker)[0]
+        del out
+    _assert_recomputed(h, "r1")
+    while h.scheduler.has_requests():
+        h.step()
+    h.scheduler.connector.get_kv_connector_stats()
+    h.worker.get_kv_connector_stats()
+    assert h.stats["failed_loads"] == 1 and h.stats["internal_errors"] >= 1
+
+
+def test_the_ledger_keeps_fetched_ids_for_the_runner_when_attributing_fails():
+    from kvtail_connector.load_errors import LoadErrorLedger
+
+    class Inner:
+        def __init__(self) -> None:
+            self.ids: set[int] = set()
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            out, self.ids = self.ids, set()
+            return out
+
+    inner = Inner()
+    ledger = LoadErrorLedger()
+    ledger.track("a", {1, 2})
+    inner.ids = {2, 9}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ledger, "_attribute", _raise)
+        with pytest.raises(Injected):
+            ledger.take(inner)
+    assert ledger.drain() == {2, 9}  # what the facade's fallback hands to vLLM
+    assert ledger.drain() == set()
