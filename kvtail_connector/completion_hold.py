@@ -58,6 +58,16 @@ class CompletionHold:
                 failed.add(req_id)
         return finished, failed
 
+    def drain(self) -> tuple[set[str], set[str]]:
+        """``(finished, failed)``: every held completion, after its zeroing
+        has executed (waited for)."""
+        for held in self._held.values():
+            held.event.synchronize()
+        finished = set(self._held)
+        failed = {r for r, h in self._held.items() if h.failed}
+        self._held.clear()
+        return finished, failed
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtail_connector import _compat, entry, inner_connector
 from kvtail_connector.config import KVTailConfig
+from kvtail_connector.containment import Containment, safe_ids
 from kvtail_connector.kv_digests import HeadPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
@@ -141,6 +142,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             _compat.dcp_interleave_size(parallel),
         )
         self._stats = KVTailStats(inner_connector=connector_path(inner_cls))
+        # Every hook: the inner connector's part as if unwrapped, ours inside
+        # try, its exceptions contained here (kvtail_connector.containment).
+        self._guard = Containment(self._inner, self._stats)
         self._last_held = 0  # the held_requests level last reported
         # MoRIIO READ tails are zeroed once the READ has landed: after
         # start_load_kv, or per layer after wait_for_layer_load (0.32).
@@ -219,14 +223,26 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(connector_metadata, KVTailMetadata), (
             "the scheduler and the workers run KVTailConnector"
         )
-        if self._worker is not None:
-            self._worker.bind(connector_metadata)
+        worker = self._worker
+        if worker is not None:
+            try:
+                worker.bind(connector_metadata)
+            except Exception as exc:
+                self._guard.failed(
+                    exc,
+                    "bind_connector_metadata",
+                    safe_ids(connector_metadata.loads),
+                    lambda: worker.contain_bind(connector_metadata),
+                )
         self._inner.bind_connector_metadata(connector_metadata.inner)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         if self._worker is not None and self._sync_read:
-            self._worker.end_step()
+            try:
+                self._worker.end_step()
+            except Exception as exc:
+                self._guard.failed(exc, "clear_connector_metadata (READ tails)")
         self._inner.clear_connector_metadata()
         super().clear_connector_metadata()
 
@@ -252,8 +268,16 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def finish_forward(self) -> None:
         if self._worker is not None and self._policy.producer_hook == "finish_forward":
-            self._worker.zero_producer_tails()
+            self._producer_hook("finish_forward")
         self._inner.finish_forward()
+
+    def _producer_hook(self, hook: str) -> None:
+        worker = self._worker
+        assert worker is not None
+        try:
+            worker.zero_producer_tails()
+        except Exception as exc:
+            self._guard.failed(exc, hook, (), worker.contain_producer)
 
     def reset_capture_state(self) -> None:
         self._inner.reset_capture_state()
@@ -263,16 +287,34 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.handle_preemptions(kv_connector_metadata.inner)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None:
-            self._worker.fence()
+        worker = self._worker
+        if worker is not None:
+            try:
+                worker.fence()
+            except Exception as exc:
+                self._guard.failed(exc, "start_load_kv (fence)")
         self._inner.start_load_kv(forward_context, **kwargs)
-        if self._worker is not None and self._worker.has_read_loads:
-            self._worker.reads_started(_compat.moriio_reads_landed_at_start(forward_context))
+        if worker is not None and worker.has_read_loads:
+            reads = worker.read_loads
+            landed = False
+            try:
+                landed = _compat.moriio_reads_landed_at_start(forward_context)
+                worker.reads_started(landed)
+            except Exception as exc:
+                self._guard.failed(
+                    exc,
+                    "start_load_kv (READ tails)",
+                    safe_ids(reads),
+                    lambda: worker.contain_reads(reads, landed),
+                )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._inner.wait_for_layer_load(layer_name)
         if self._worker is not None and self._sync_read:
-            self._worker.layer_loaded(layer_name)
+            try:
+                self._worker.layer_loaded(layer_name)
+            except Exception as exc:
+                self._guard.failed(exc, "wait_for_layer_load (READ tails)")
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -283,7 +325,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # Before delegating: ordered before MooncakeStore's event and NIXL's
         # host-buffer copy, which wait_for_save starts.
         if self._worker is not None and self._policy.producer_hook == "wait_for_save":
-            self._worker.zero_producer_tails()
+            self._producer_hook("wait_for_save")
         self._inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -292,28 +334,55 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = self._inner.get_transfer_results(finished_req_ids)
-        if self._worker is None:
+        worker = self._worker
+        if worker is None:
             return results
-        return self._worker.transfer_results(results, finished_req_ids, self._inner)
+        try:
+            return worker.transfer_results(results, finished_req_ids, self._inner)
+        except Exception as exc:
+            # Where even the fallback fails: every completion reported failed.
+            every_failed = KVConnectorTransferResults(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=set(results.failed_recving) | set(results.finished_recving),
+            )
+            return self._guard.failed(  # type: ignore[return-value]
+                exc,
+                "get_transfer_results",
+                safe_ids(results.finished_recving),
+                lambda: worker.contain_transfer_results(results, finished_req_ids),
+                every_failed,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is not None:
-            return self._worker.take_load_errors(self._inner)
-        return self._inner.get_block_ids_with_load_errors()
+        if self._worker is None:
+            return self._inner.get_block_ids_with_load_errors()
+        worker = self._worker
+        try:
+            return worker.take_load_errors(self._inner)
+        except Exception as exc:
+            ids = self._guard.failed(
+                exc, "get_block_ids_with_load_errors", (), worker.contain_load_errors
+            )
+            return ids if ids is not None else set()
 
     def shutdown(self) -> None:
         self._inner.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        part = self._scheduler if self._scheduler is not None else self._worker
-        held = part.held_requests() if part is not None else 0
-        if held or held != self._last_held:
-            self._stats.set_gauge("held_requests", held)
-            self._last_held = held
         inner = self._inner.get_kv_connector_stats()
-        if self._stats.is_empty() and (inner is None or inner.is_empty()):
-            return None
-        return self._stats.take(inner)
+        try:
+            part = self._scheduler if self._scheduler is not None else self._worker
+            held = part.held_requests() if part is not None else 0
+            if held or held != self._last_held:
+                self._stats.set_gauge("held_requests", held)
+                self._last_held = held
+            if self._stats.is_empty() and (inner is None or inner.is_empty()):
+                return None
+            return self._stats.take(inner)
+        except Exception as exc:
+            self._guard.failed(exc, "get_kv_connector_stats")
+            return inner
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         return self._inner.get_kv_connector_kv_cache_events()
@@ -323,7 +392,15 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         inner = self._inner.build_connector_worker_meta()
-        return self._worker.worker_meta(inner) if self._worker is not None else inner
+        worker = self._worker
+        if worker is None:
+            return inner
+        try:
+            return worker.worker_meta(inner)
+        except Exception as exc:
+            return self._guard.failed(
+                exc, "build_connector_worker_meta", (), lambda: worker.contain_worker_meta(inner)
+            )
 
     def get_finished_count(self) -> int | None:
         return self._inner.get_finished_count()
@@ -347,25 +424,60 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None, "scheduler-side hook"
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            self._scheduler.matched(request, num_computed_tokens, count, load_async)
+        except Exception as exc:
+            self._guard.failed(exc, "get_num_new_matched_tokens", (request.request_id,))
+        return count, load_async
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None, "scheduler-side hook"
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        scheduler = self._scheduler
+        assert scheduler is not None, "scheduler-side hook"
+        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:
+            self._guard.failed(
+                exc,
+                "update_state_after_alloc",
+                (request.request_id,),
+                lambda: scheduler.contain_alloc(request),
+            )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None, "scheduler-side hook"
-        return self._scheduler.build_connector_meta(scheduler_output)
+        scheduler = self._scheduler
+        assert scheduler is not None, "scheduler-side hook"
+        inner_meta = self._inner.build_connector_meta(scheduler_output)
+        try:
+            return scheduler.build_connector_meta(scheduler_output, inner_meta)
+        except Exception as exc:
+            meta = self._guard.failed(
+                exc,
+                "build_connector_meta",
+                safe_ids(scheduler.pending_loads),
+                lambda: scheduler.contain_meta(inner_meta),
+            )
+            return meta if meta is not None else KVTailMetadata(inner=inner_meta)
 
     def on_new_request(self, request: Any) -> None:
         # Inner first: NIXL and MoRIIO may shorten a producer's request to a
         # single-token prefill (max_tokens = 1) here, which is what we claim for.
         self._inner.on_new_request(request)
-        if self._scheduler is not None:
-            self._scheduler.on_new_request(request)
+        scheduler = self._scheduler
+        if scheduler is not None:
+            try:
+                scheduler.on_new_request(request)
+            except Exception as exc:
+                self._guard.failed(
+                    exc,
+                    "on_new_request",
+                    (request.request_id,),
+                    lambda: scheduler.forget(request.request_id),
+                )
 
     def update_connector_output(self, connector_output: Any) -> None:
         # The inner connector sees its own worker metadata, as if unwrapped.
@@ -379,15 +491,23 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._inner.update_connector_output(connector_output)
             ours = None
-        if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output, ours)
+        scheduler = self._scheduler
+        if scheduler is not None:
+            try:
+                scheduler.update_connector_output(connector_output, ours)
+            except Exception as exc:
+                self._guard.failed(
+                    exc,
+                    "update_connector_output",
+                    (),
+                    lambda: scheduler.contain_output(connector_output),
+                )
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         result = self._inner.request_finished(request, block_ids)
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request, result[1])
+        self._request_finished(request, result[1])
         return result
 
     def request_finished_all_groups(
@@ -398,9 +518,22 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             assert len(block_ids) == 1, "a non-HMA backend runs with one KV cache group"
             result = self._inner.request_finished(request, block_ids[0])
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request, result[1])
+        self._request_finished(request, result[1])
         return result
+
+    def _request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
+        scheduler = self._scheduler
+        if scheduler is None:
+            return
+        try:
+            scheduler.request_finished(request, params)
+        except Exception as exc:
+            self._guard.failed(
+                exc,
+                "request_finished",
+                (request.request_id,),
+                lambda: scheduler.forget(request.request_id),
+            )
 
     def register_finished_partial_tail(
         self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any

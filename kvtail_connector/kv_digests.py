@@ -198,6 +198,18 @@ class RankDigests:
                 bad.add(req_id)
         return finished, bad
 
+    def drop_held(self) -> set[str]:
+        """Forget every held load, uncompared (after a contained internal
+        error: the caller reports them failed); returns their ids."""
+        held = set(self._held)
+        for check in self._held.values():
+            if check.event is not None:
+                check.event.synchronize()  # the digest kernel read the blocks
+        self._held.clear()
+        for req_id in held:
+            self._verdicts[req_id] = UNVERIFIED
+        return held
+
     def take_verdicts(self) -> dict[str, str]:
         verdicts, self._verdicts = self._verdicts, {}
         return verdicts

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from kvtail_connector.containment import mark_inner
+
 
 class LoadErrorLedger:
     """Which tracked load holds which block, and the blocks reported invalid.
@@ -47,16 +49,24 @@ class LoadErrorLedger:
 
     def fetch(self, inner: Any) -> None:
         """Ask the inner connector now, ahead of the runner, and attribute."""
-        fresh = set(inner.get_block_ids_with_load_errors())
+        fresh = _ask(inner)
         self._for_runner |= fresh
         self._attribute(fresh)
 
     def take(self, inner: Any) -> set[int]:
         """The runner's ``get_block_ids_with_load_errors``: ids fetched early in
         this pass plus what the inner connector reports now (attributed too)."""
-        fresh = set(inner.get_block_ids_with_load_errors())
+        fresh = _ask(inner)
+        self._for_runner |= fresh  # first: kept for drain() should attributing fail
         self._attribute(fresh)
-        out, self._for_runner = self._for_runner | fresh, set()
+        out, self._for_runner = self._for_runner, set()
+        return out
+
+    def drain(self) -> set[int]:
+        """Every id fetched and not yet handed to the runner (after a contained
+        internal error: the runner still gets every id the inner connector
+        reported)."""
+        out, self._for_runner = self._for_runner, set()
         return out
 
     def _attribute(self, errors: set[int]) -> None:
@@ -71,3 +81,12 @@ class LoadErrorLedger:
     def num_tracked(self) -> int:
         """Entries held (0 when idle and the runner has collected every id)."""
         return len(self._blocks) + len(self._invalid) + len(self._for_runner)
+
+
+def _ask(inner: Any) -> set[int]:
+    """The inner connector's ids; its exceptions tagged as its own."""
+    try:
+        return set(inner.get_block_ids_with_load_errors())
+    except BaseException as exc:
+        mark_inner(exc)
+        raise

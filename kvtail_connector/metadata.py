@@ -10,6 +10,7 @@ KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
   2: LoadRecord.vouched; KVTailMetadata.producer_tails; KVTailWorkerMeta.
   3: LoadRecord.expected; KVTailMetadata.producer_digests;
      KVTailWorkerMeta.digests and verdicts (``verify_kv``).
+  4: KVTailMetadata.failing; KVTailWorkerMeta.false_vouches.
 
 This protocol is in-process (scheduler <-> workers of one engine); what
 crosses from a producer to a consumer is the ``kvtail`` entry
@@ -29,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtail_connector.entry import Digest, Sums
 
-KVTAIL_PROTOCOL_VERSION = 3
+KVTAIL_PROTOCOL_VERSION = 4
 MASK64 = (1 << 64) - 1
 
 NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
@@ -101,6 +102,8 @@ class KVTailMetadata(KVConnectorMetadata):
             producer): tails the workers zero and confirm.
         producer_digests: the same prompts with all their blocks (first
             block 0), for the workers to digest (``verify_kv: digest``).
+        failing: async loads whose record a contained internal error lost:
+            workers report them failed when they complete.
         version: :data:`KVTAIL_PROTOCOL_VERSION` of the sender.
     """
 
@@ -109,6 +112,7 @@ class KVTailMetadata(KVConnectorMetadata):
     read_loads: tuple[LoadRecord, ...] = ()
     producer_tails: tuple[LoadRecord, ...] = ()
     producer_digests: tuple[LoadRecord, ...] = ()
+    failing: tuple[str, ...] = ()
     version: int = KVTAIL_PROTOCOL_VERSION
 
 
@@ -217,6 +221,8 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
             ``verify_kv``), folded over the ranks that digested it.
         verdicts: request id -> what the ranks that checked its load found
             (consumer, ``verify_kv``): :data:`MISMATCH` if any rank did.
+        false_vouches: requests whose vouched tail a rank's probe found
+            non-zero this step (consumer): counted once on the scheduler side.
     """
 
     inner: KVConnectorWorkerMetadata | None = None
@@ -224,6 +230,7 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
     ranks: frozenset[int] = frozenset({0})
     digests: dict[str, DigestPart] = field(default_factory=dict)
     verdicts: dict[str, str] = field(default_factory=dict)
+    false_vouches: frozenset[str] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTailWorkerMeta):
@@ -252,4 +259,5 @@ class KVTailWorkerMeta(KVConnectorWorkerMetadata):
             ranks=self.ranks | other.ranks,
             digests=digests,
             verdicts=verdicts,
+            false_vouches=self.false_vouches | other.false_vouches,
         )

@@ -79,8 +79,14 @@ class TailPolicy:
 
     @property
     def reports_worker_meta(self) -> bool:
-        """Workers wrap their metadata every step (claims, digests, verdicts)."""
-        return self.vouch_tails or self.digest_prompts or self.verify_loads
+        """Workers wrap their metadata every step (claims, digests, verdicts,
+        false vouches the probe found)."""
+        return (
+            self.vouch_tails
+            or self.digest_prompts
+            or self.verify_loads
+            or (self.trust_vouched and self.probe)
+        )
 
 
 _VERIFY = "kv_connector_extra_config.verify_kv"

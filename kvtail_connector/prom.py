@@ -38,6 +38,8 @@ METRICS = {
     "(reported failed; kv_load_failure_policy applies).",
     "digests_skipped": "Consumer: async loads not verified (no usable digest, another layout, "
     "or no whole segment inside the loaded range).",
+    "internal_errors": "Failures of the wrapper's own code contained in a connector hook (the "
+    "affected loads reported failed, claims not made; see the ERROR log).",
 }
 GAUGE_METRICS = {
     "held_requests": "Requests the wrapper holds state for (largest over its scheduler side "

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvtail_connector import _compat, entry
 from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.containment import mark_inner
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
@@ -107,6 +108,12 @@ class TailScheduler:
         # failure was counted already (errors may precede the completion).
         self._in_flight: dict[str, frozenset[int]] = {}
         self._failed: set[str] = set()
+        # Consumer: in-flight loads whose false vouch was counted already
+        # (several ranks may find the same one, in different steps).
+        self._false_vouched: set[str] = set()
+        # Async loads whose record was lost to a contained internal error:
+        # shipped to the workers, which report them failed at completion.
+        self._failing: list[str] = []
 
     # ----------------------------------------------------------------- hooks
 
@@ -127,18 +134,17 @@ class TailScheduler:
         if params and params.get("do_remote_decode") and getattr(request, "max_tokens", 0) == 1:
             self._producing[request.request_id] = request
 
-    def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+    def matched(
+        self, request: Any, num_computed_tokens: int, count: int | None, load_async: bool
+    ) -> None:
+        """The inner ``get_num_new_matched_tokens`` returned ``(count, load_async)``."""
         if count:
             self._matched[request.request_id] = (num_computed_tokens, bool(load_async))
         else:
             self._matched.pop(request.request_id, None)
-        return count, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        """After the inner ``update_state_after_alloc`` (called by the facade)."""
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
@@ -166,11 +172,11 @@ class TailScheduler:
                 record = dataclasses.replace(record, expected=expected)
             self._pending.append(record)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVTailMetadata:
+    def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
+        """``inner_meta``: what the inner ``build_connector_meta`` returned."""
         # Params left by an update_from_output that had no connector output:
         # they have left the engine; no entry is added to them after that.
         self._provisional.clear()
-        inner_meta = self._inner.build_connector_meta(scheduler_output)
         exclude = self._policy.exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
         read_loads: tuple[LoadRecord, ...] = ()
         if exclude or self._pending_reads:
@@ -193,6 +199,7 @@ class TailScheduler:
             read_loads=read_loads,
             producer_tails=producer,
             producer_digests=digests,
+            failing=self._take_failing() if self._failing else (),
         )
         if self._pending or read_loads or producer:
             logger.debug(
@@ -238,6 +245,8 @@ class TailScheduler:
             self._grant_claims(worker_meta)
         if not self._in_flight:
             return
+        if worker_meta is not None and worker_meta.false_vouches:
+            self._count_false_vouches(worker_meta.false_vouches)
         if self._policy.verify_loads:
             self._count_verdicts(connector_output, worker_meta)
         failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
@@ -253,6 +262,65 @@ class TailScheduler:
         for req_id in connector_output.finished_recving or ():
             if self._in_flight.pop(req_id, None) is not None:
                 self._failed.discard(req_id)
+                self._false_vouched.discard(req_id)
+
+    def _count_false_vouches(self, found: frozenset[str]) -> None:
+        """``false_vouches`` once per load, whichever rank(s) found it (vLLM
+        sums every worker's stats; the ranks report ids, counted here)."""
+        new = (found & self._in_flight.keys()) - self._false_vouched
+        if new:
+            self._stats.add("false_vouches", len(new))
+            self._false_vouched |= new
+
+    # ------------------------------------------------- contained failures
+    # The fallbacks the facade runs after an internal error in a hook
+    # (kvtail_connector.containment): minimal, and never half a claim.
+
+    def _take_failing(self) -> tuple[str, ...]:
+        failing = tuple(self._failing)
+        self._failing.clear()
+        return failing
+
+    def contain_alloc(self, request: Any) -> None:
+        """``update_state_after_alloc`` failed: the load may have no record;
+        the workers report it failed when it completes."""
+        self._matched.pop(request.request_id, None)
+        self._failing.append(request.request_id)
+
+    @property
+    def pending_loads(self) -> list[str]:
+        """Requests whose load record waits for this step's metadata."""
+        return [*self._failing, *(r.req_id for r in self._pending)]
+
+    def contain_meta(self, inner_meta: Any) -> KVTailMetadata:
+        """``build_connector_meta`` failed: the inner metadata, untouched; the
+        step's pending async loads are reported failed at completion, its
+        READ and producer records are not shipped (no claim is made)."""
+        failing = tuple(self.pending_loads)
+        self._failing.clear()
+        self._pending.clear()
+        self._pending_reads.clear()
+        return KVTailMetadata(inner=inner_meta, failing=failing)
+
+    def contain_output(self, connector_output: Any) -> None:
+        """``update_connector_output`` failed: no claim from this call; loads
+        reported finished are forgotten."""
+        self._provisional.clear()
+        self._provisional_digests.clear()
+        for req_id in connector_output.finished_recving or ():
+            self._in_flight.pop(req_id, None)
+            self._failed.discard(req_id)
+            self._verdicts.pop(req_id, None)
+            self._false_vouched.discard(req_id)
+
+    def forget(self, req_id: str) -> None:
+        """``on_new_request`` or ``request_finished`` failed: no claim for it."""
+        self._matched.pop(req_id, None)
+        self._producing.pop(req_id, None)
+        self._claims.pop(req_id, None)
+        self._digesting.pop(req_id, None)
+        self._provisional.pop(req_id, None)
+        self._provisional_digests.pop(req_id, None)
 
     def held_requests(self) -> int:
         """Requests this side holds state for (the ``held_requests`` gauge)."""
@@ -460,11 +528,19 @@ class TailScheduler:
         tail = tail_block(num_loaded, self._groups[group].effective_block)
         return None if tail is None else tail[0]
 
+    def _loaded_groups(self, request: Any) -> Any:
+        """The inner connector's answer; its exceptions tagged as its own."""
+        try:
+            return self._inner.get_loaded_kv_cache_group_ids(request)
+        except BaseException as exc:
+            mark_inner(exc)
+            raise
+
     def _written_blocks(self, request: Any, blocks: Any, local: int, loaded: int) -> list[int]:
         """The non-null blocks a load of tokens ``[local, loaded)`` writes, all groups."""
         block_ids = blocks.get_block_ids()
         out: list[int] = []
-        for gid in self._inner.get_loaded_kv_cache_group_ids(request):
+        for gid in self._loaded_groups(request):
             eb = self._groups[gid].effective_block
             out.extend(b for b in block_ids[gid][local // eb : -(-loaded // eb)])
         return [b for b in out if b != _compat.NULL_BLOCK_ID]
@@ -482,7 +558,7 @@ class TailScheduler:
         """The load's record, or None when block-aligned (nothing to zero or
         watch) unless ``keep`` (a load to verify)."""
         block_ids = blocks.get_block_ids()
-        loaded_groups = self._inner.get_loaded_kv_cache_group_ids(request)
+        loaded_groups = self._loaded_groups(request)
         entries = []
         any_tail = False
         for gid in loaded_groups:
@@ -533,4 +609,6 @@ class TailScheduler:
             + len(self._digesting)
             + len(self._provisional_digests)
             + len(self._verdicts)
+            + len(self._false_vouched)
+            + len(self._failing)
         )

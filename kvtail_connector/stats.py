@@ -39,6 +39,7 @@ COUNTERS = (
     "digests_verified",
     "digest_mismatches",
     "digests_skipped",
+    "internal_errors",
 )
 # Levels, not counts. Each part of the wrapper (scheduler side, every worker)
 # reports its level in every step where it is non-zero or has just changed,
@@ -83,6 +84,9 @@ class KVTailStats(KVConnectorStats):
     whose segments could be compared) on the consumer. Per-request counters
     are counted once per request (the scheduler side, or the first worker
     rank), so vLLM's sum over TP workers stays a count of requests.
+    ``internal_errors``: failures of the wrapper's own code that a hook
+    contained (:mod:`~kvtail_connector.containment`), one per hook call, on
+    whichever part (scheduler side or worker rank) it happened.
 
     Gauge ``held_requests``: requests the wrapper holds state for (the largest
     number over the scheduler side and each worker); present in a snapshot

@@ -58,6 +58,7 @@ from kvtail_connector.metadata import (
     KVTailWorkerMeta,
     LoadRecord,
 )
+from kvtail_connector.ops import reference_zero_kv_blocks
 from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.work import Line
 from kvtail_connector.policy import TailPolicy
@@ -157,6 +158,16 @@ class TailWorker:
         self._digests: RankDigests | None = None
         self._producer_digest_records: list[LoadRecord] = []
         self._producer_parts: dict[str, DigestPart] = {}
+        # Consumer: requests whose vouched tail the probe found non-zero, on
+        # their way to this step's worker metadata (counted once per request
+        # on the scheduler side, whichever rank found them).
+        self._false_vouches: list[str] = []
+        # Sleep mode: what unregister_kv_caches put away (None: registered).
+        self._released: tuple[Any, Any, Any] | None = None
+        # Loads to report failed when they complete: their record was lost to
+        # a contained internal error (here or on the scheduler side), or they
+        # completed while the KV caches were released.
+        self._failing: set[str] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -166,6 +177,7 @@ class TailWorker:
         kv_cache_config: Any,
         layer_objects: Mapping[str, Any] | None = None,
     ) -> None:
+        self._released = None  # new caches supersede any put away by sleep mode
         if not self._policy.needs_caches:
             return
         self._sets = cache_sets(kv_caches, kv_cache_config, self._groups, layer_objects)
@@ -197,16 +209,30 @@ class TailWorker:
         )
 
     def unregister_kv_caches(self) -> None:
-        """Sleep mode released the KV memory: launch nothing until restored."""
-        self._saved = (self._zeroer, self._by_layer, self._digests)
-        self._zeroer = self._by_layer = self._digests = None
+        """Sleep mode released the KV memory: launch nothing until restored.
+
+        Idempotent, as vLLM 0.33 needs: ``release_kv_cache_memory()`` (or
+        ``discard(("kv_cache",))``) unregisters, a later ``sleep()``
+        unregisters again, and ``wake_up()`` restores once."""
+        if self._released is None:
+            self._released = (self._zeroer, self._by_layer, self._digests)
+            self._zeroer = self._by_layer = self._digests = None
 
     def restore_kv_caches(self) -> None:
-        self._zeroer, self._by_layer, self._digests = getattr(self, "_saved", (None, None, None))
+        """Undo :meth:`unregister_kv_caches`; a no-op when registered."""
+        if self._released is not None:
+            self._zeroer, self._by_layer, self._digests = self._released
+            self._released = None
+
+    @property
+    def caches_released(self) -> bool:
+        return self._released is not None
 
     def bind(self, meta: KVTailMetadata) -> None:
         """Keep this step's new loads, their tails encoded for the launch now,
         so completion costs a concatenation and a launch."""
+        if meta.failing:
+            self._failing.update(meta.failing)
         for record in meta.loads:
             # Without registered caches (profiling, sleep mode) the lines are
             # built at completion instead.
@@ -260,6 +286,8 @@ class TailWorker:
         zeroed, self._producer_zeroed = self._producer_zeroed, []
         parts, self._producer_parts = self._producer_parts, {}
         verdicts = self._digests.take_verdicts() if self._digests is not None else {}
+        false = frozenset(self._false_vouches) if self._false_vouches else frozenset()
+        self._false_vouches.clear()
         mine = frozenset({self._rank})
         return KVTailWorkerMeta(
             inner=inner,
@@ -267,7 +295,71 @@ class TailWorker:
             ranks=mine,
             digests=parts,
             verdicts=verdicts,
+            false_vouches=false,
         )
+
+    # ------------------------------------------------- contained failures
+    # The fallbacks the facade runs after an internal error in a hook
+    # (kvtail_connector.containment): minimal, and never half a claim.
+
+    def contain_bind(self, meta: KVTailMetadata) -> None:
+        """``bind`` failed: this step's async loads are reported failed when
+        they complete; its producer records are neither zeroed nor confirmed
+        (no claim: the consumer zeroes as after a plain producer)."""
+        for record in meta.loads:
+            self._failing.add(record.req_id)
+            self._loads.pop(record.req_id, None)
+            self._errors.release(record.req_id)
+        self._drop_producer_work()
+
+    def contain_producer(self) -> None:
+        """The producer hook failed: nothing of this step is confirmed."""
+        self._drop_producer_work()
+
+    def contain_worker_meta(self, inner: Any) -> Any:
+        """``worker_meta`` failed: no confirmation, digest or verdict from this
+        rank this step (no claim made; loads count as not verified)."""
+        self._drop_producer_work()
+        if not self._policy.reports_worker_meta:
+            return inner
+        return KVTailWorkerMeta(inner=inner, ranks=frozenset({self._rank}))
+
+    @property
+    def read_loads(self) -> list[LoadRecord]:
+        """The READ loads bound this step (``reads_started`` replaces the list)."""
+        return self._read_loads
+
+    def contain_load_errors(self) -> set[int]:
+        """``take_load_errors`` failed: the ids fetched so far, unattributed."""
+        return self._errors.drain()
+
+    def contain_reads(self, records: list[LoadRecord], landed: bool) -> None:
+        """``reads_started`` failed. Where every READ has landed (``landed``),
+        zero the records' tails now, before the forward, on the reference path
+        (slow, exact, independent of the zeroer's kernels and work lines);
+        otherwise a READ may still land over a zeroing, so nothing is zeroed
+        (the ERROR says so). Forget this step's READ work either way."""
+        self._read_loads = []
+        if not landed or self._released is not None:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
+                ", ".join(r.req_id for r in records),
+            )
+            return
+        for record in records:
+            for index, block, first in self._tail_items(record):
+                cache_set = self._sets[index]
+                reference_zero_kv_blocks(
+                    cache_set.caches,
+                    tails=[(block, first)],
+                    pages_per_block=cache_set.pages_per_block,
+                )
+
+    def _drop_producer_work(self) -> None:
+        self._producer_tails = []
+        self._producer_zeroed = []
+        self._producer_digest_records = []
+        self._producer_parts = {}
 
     def fence(self) -> None:
         """Before the inner connector starts a load, earlier zeroing has executed.
@@ -315,6 +407,8 @@ class TailWorker:
             + len(self._producer_zeroed)
             + len(self._producer_digest_records)
             + len(self._producer_parts)
+            + len(self._false_vouches)
+            + len(self._failing)
             + (self._digests.num_tracked if self._digests is not None else 0)
         )
 
@@ -343,7 +437,59 @@ class TailWorker:
         results = self._hold_zeroed(results, zeroed)
         if self._digests is not None and self._policy.verify_loads:
             results = self._hold_digested(results, self._digests)
+        if self._failing:
+            results = self._report_failing(results, finished_req_ids)
         return results
+
+    def _report_failing(
+        self, results: KVConnectorTransferResults, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        """Loads in ``_failing`` that complete now go in ``failed_recving`` too
+        (vLLM's contract: a failed load is also reported finished), so
+        ``kv_load_failure_policy`` applies instead of a read of a tail nobody
+        zeroed. A request that finished without completing a load is forgotten."""
+        now = self._failing.intersection(results.finished_recving)
+        self._failing.difference_update(now)
+        if finished_req_ids:
+            self._failing.difference_update(finished_req_ids)
+        if not now:
+            return results
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=set(results.failed_recving) | now,
+        )
+
+    def contain_transfer_results(
+        self, results: KVConnectorTransferResults, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        """The fallback of :meth:`transfer_results` after an internal error:
+        every completion of this pass, and every completion held back, is
+        reported failed (nothing proves their tails zeroed or their digests
+        compared), after the zeroing launched so far has executed (vLLM may
+        hand the blocks to a new owner at once). State for them is dropped."""
+        event = self._last_zeroing
+        if event is not None:
+            event.synchronize()
+        done = set(results.finished_recving)
+        if self._hold is not None:
+            finished, _ = self._hold.drain()
+            done |= finished
+        if self._digests is not None:
+            done |= self._digests.drop_held()
+        done |= self._failing.intersection(results.finished_recving)
+        for req_id in done:
+            self._loads.pop(req_id, None)
+            self._errors.release(req_id)
+            self._abandoned.discard(req_id)
+            self._failing.discard(req_id)
+        if finished_req_ids:
+            self._failing.difference_update(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=done,
+            failed_recving=set(results.failed_recving) | done,
+        )
 
     def _hold_zeroed(
         self, results: KVConnectorTransferResults, zeroed: set[str]
@@ -404,12 +550,24 @@ class TailWorker:
         vouched_records: list[LoadRecord] = []
         checks: list[LoadRecord] = []  # verify_kv: loads to digest
         tails = 0  # requests
+        released = self._released is not None
         for pending in done:
             record = pending.record
             invalid = _first_invalid(record, self._errors.release(record.req_id))
             if record.req_id in self._abandoned:
                 self._abandoned.discard(record.req_id)
                 logger.debug("kvtail: %s finished while loading: nothing to zero", record.req_id)
+                continue
+            if released:
+                # The KV memory is released (sleep mode): nothing can be
+                # zeroed or verified, and what the load wrote does not survive
+                # wake-up (vLLM discards the KV cache; only weights are kept).
+                self._failing.add(record.req_id)
+                logger.warning(
+                    "KVTailConnector: request %s: KV load completed while the KV cache was "
+                    "released (sleep mode): reported failed",
+                    record.req_id,
+                )
                 continue
             if record.expected is not None and record.req_id not in failed and invalid is None:
                 checks.append(record)
@@ -459,6 +617,12 @@ class TailWorker:
             if not records:
                 return
         by_layer = self._by_layer
+        if self._released is not None:
+            logger.warning(
+                "KVTailConnector: %d READ load(s) while the KV cache is released: not zeroed",
+                len(records),
+            )
+            return
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
             self._count_tails(sum(self._has_tail(r) for r in records))
@@ -541,8 +705,10 @@ class TailWorker:
                 nonzero,
                 nonfinite,
             )
-        if false and self._per_request:
-            self._stats.add("false_vouches", len(false))
+        if false:
+            # Counted once per request by the scheduler side, whichever rank
+            # found it: reported in this step's worker metadata.
+            self._false_vouches.extend(false)
         return [b for b in lined if b.owner in false]
 
     def _count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:

@@ -177,3 +177,32 @@ def test_wrapper_hooks_reach_the_worker_in_order():
         ("end_step", None),
         ("clear_connector_metadata", None),
     ]
+
+
+def test_when_the_launch_fails_the_landed_tails_are_zeroed_on_the_reference_path(setup):
+    # Containment (issue 18): the facade runs contain_reads after an internal
+    # error in reads_started; where the READs have landed the tails are zeroed
+    # exactly, before the forward, without the zeroer.
+    s = setup
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    expected = _expected(s, list(LAYERS))
+    records = s.worker.read_loads
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("injected")
+
+    s.worker._zero = broken
+    with pytest.raises(RuntimeError):
+        s.worker.reads_started(landed=True)
+    s.worker.contain_reads(records, landed=True)
+    assert torch.equal(s.caches.raw[0], expected)
+    assert s.worker.num_tracked == 0
+
+
+def test_reads_not_landed_are_not_zeroed_by_the_fallback(setup):
+    s = setup
+    before = s.caches.raw[0].clone()
+    s.worker.contain_reads(s.worker.read_loads, landed=False)
+    assert torch.equal(s.caches.raw[0].nan_to_num(), before.nan_to_num())
+    assert not s.worker.has_read_loads

@@ -1,0 +1,123 @@
+"""Keep the wrapper's own failures out of vLLM's step loop.
+
+Every facade hook runs the inner connector's part as if unwrapped and the
+wrapper's part (``TailScheduler`` / ``TailWorker``) inside ``try``; an
+exception of the wrapper's part goes to :meth:`Containment.failed`, which
+
+- re-raises it unchanged when it came from the inner connector (an inner
+  method our code called, e.g. ``get_num_new_matched_tokens`` from
+  ``TailScheduler``): it then propagates exactly as without the wrapper;
+- otherwise logs one ERROR naming the hook and the requests (the traceback
+  the first time each hook fails, then one line), counts
+  ``internal_errors``, and runs the hook's fail-safe fallback, whose own
+  failure is logged and swallowed too.
+
+What each hook's fallback does is the facade's choice, hook by hook: an async
+load the wrapper can no longer vouch for is reported in ``failed_recving`` (with
+its completion), so vLLM's ``kv_load_failure_policy`` applies (``recompute``:
+its blocks are dropped and the prompt computed locally; ``fail``: the request
+ends with an error); a producer request whose hook failed gets no claim (its
+consumer zeroes as after a plain producer).
+
+The normal path costs nothing: a ``try`` block is free in CPython 3.11, and
+the inner-or-ours test walks the traceback only once something was raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from kvtail_connector.log import get_logger
+from kvtail_connector.stats import KVTailStats
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+_INNER = "_kvtail_raised_by_inner"
+
+
+def mark_inner(exc: BaseException) -> None:
+    """Tag ``exc`` as the inner connector's: call where the wrapper's code
+    calls an inner method (``except BaseException as e: mark_inner(e); raise``)."""
+    # An exception type without attributes: the frame walk decides.
+    with contextlib.suppress(Exception):
+        setattr(exc, _INNER, True)
+
+
+def raised_by(exc: BaseException, obj: object) -> bool:
+    """Whether ``exc`` is the inner connector's (``obj``): tagged by
+    :func:`mark_inner`, or passed through a method of ``obj`` (a frame whose
+    ``self`` is ``obj``); otherwise it is the wrapper's own."""
+    if getattr(exc, _INNER, False):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_locals.get("self") is obj:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class Containment:
+    """One per facade: tells the inner connector's exceptions from ours and
+    contains ours."""
+
+    def __init__(self, inner: object, stats: KVTailStats) -> None:
+        self._inner = inner
+        self._stats = stats
+        self._traced: set[str] = set()  # hooks whose traceback was logged
+
+    def failed(
+        self,
+        exc: Exception,
+        hook: str,
+        requests: Iterable[str] = (),
+        fallback: Callable[[], T] | None = None,
+        default: T | None = None,
+    ) -> T | None:
+        """Handle ``exc``, raised in ``hook``'s wrapper part: re-raise it if it
+        is the inner connector's, else log, count and return ``fallback()``
+        (``default`` where there is none, or it failed too)."""
+        if raised_by(exc, self._inner):
+            raise exc
+        self._stats.add("internal_errors", 1)
+        names = sorted(set(requests))
+        first = hook not in self._traced
+        self._traced.add(hook)
+        logger.error(
+            "KVTailConnector: internal error in %s (request(s): %s): %r. Contained: the engine "
+            "keeps running; affected loads are reported failed (kv_load_failure_policy applies) "
+            "and no producer claim is made for them. Please report this with the traceback%s.",
+            hook,
+            ", ".join(names) if names else "none identified",
+            exc,
+            "" if first else " logged at the first error of this hook",
+            exc_info=exc if first else None,
+        )
+        if fallback is None:
+            return default
+        try:
+            return fallback()
+        except Exception as again:  # the fallback is ours too: never let it out
+            self._stats.add("internal_errors", 1)
+            logger.error(
+                "KVTailConnector: the fallback of %s failed too: %r", hook, again, exc_info=again
+            )
+            return default
+
+
+def safe_ids(items: Any) -> list[str]:
+    """Request ids from ``items`` (ids, or objects with ``req_id`` /
+    ``request_id``), for an ERROR line; never raises."""
+    out: list[str] = []
+    try:
+        for item in items or ():
+            rid = getattr(item, "req_id", None) or getattr(item, "request_id", None) or item
+            out.append(str(rid))
+    except Exception:
+        pass
+    return out
