@@ -118,14 +118,8 @@ class MooncakeMaster:
     def close(self) -> None:
         proc, self._proc = self._proc, None
         procs.unregister(self)
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if proc is not None:
+            procs.stop_process(proc, 10.0)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start() if self._proc is None else self
