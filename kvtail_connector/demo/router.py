@@ -9,7 +9,9 @@ router users run in front of a P/D pair: ``vllm-router --vllm-pd-disaggregation
 Start-up and health are tuned for a test bench only where the defaults would make
 a test wait: the worker check at start-up runs every second (default 30 s), and the
 runtime health check every ``health_interval_s`` (default 60 s), so that a prefill
-server killed and restarted is seen down and up again within seconds. Everything
+server killed and restarted is seen down and up again within seconds. A server is
+taken out after 5 failed checks in a row (default 3): a server on a loaded 2-core
+machine that misses 3 checks in a row (5 s each) is busy, not dead. Everything
 else (retries, circuit breaker, timeouts) is the router's default.
 """
 
@@ -83,6 +85,7 @@ class Router:
         cmd += ["--prometheus-host", HOST, "--prometheus-port", str(self.metrics_port)]
         cmd += ["--worker-startup-check-interval", "1"]
         cmd += ["--health-check-interval-secs", str(self.health_interval_s)]
+        cmd += ["--health-failure-threshold", "5"]
         return cmd + self.args
 
     def start(self, timeout: float = 60.0) -> Router:
