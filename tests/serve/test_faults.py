@@ -37,7 +37,8 @@ import pytest
 
 from kvtail_connector.demo.api_server import APIServer
 from kvtail_connector.demo.faults import AfterPrefill, BlackHole, fake_prefill, nixl_params_to
-from kvtail_connector.demo.prefill_tap import PrefillTap
+from kvtail_connector.demo.prefill_tap import AfterPrefill as TapHook
+from kvtail_connector.demo.prefill_tap import FakeAnswer, PrefillTap
 from kvtail_connector.demo.prom_text import total
 from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.serving import ServePair
@@ -117,11 +118,10 @@ def routes(pair: ServePair, _routes: list[Route]) -> Iterator[Callable[..., list
     """``routes(after_prefill=..., fake=...)``: the routes with these between the
     legs (none: plain P/D), once each router sees its workers healthy."""
 
-    def make(**kw: Any) -> list[Route]:
+    def make(after_prefill: TapHook | None = None, fake: FakeAnswer | None = None) -> list[Route]:
         for r in _routes:
             r.tap.reset(pair.prefill.url)
-            r.tap.after_prefill = kw.get("after_prefill")
-            r.tap.fake = kw.get("fake")
+            r.tap.after_prefill, r.tap.fake = after_prefill, fake
             r.router.wait_ready()
         return _routes
 
