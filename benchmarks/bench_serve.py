@@ -1,8 +1,8 @@
 """Serving cost of KVTailConnector: the plain and the wrapped P/D pair, interleaved.
 
-Streamed, greedy completion requests of random prompt lengths go through a
-two-step proxy (``examples/proxy.py``) to each pair in turn, round after
-round (the order alternates), so that both see the same machine load. Per
+Streamed, greedy completion requests of random prompt lengths go through
+``vllm-router`` (one per pair, ``--vllm-pd-disaggregation``) to each pair in turn,
+round after round (the order alternates), so that both see the same machine load. Per
 pair: requests/s, decode tokens/s, time to first token and inter-token latency
 percentiles; then the ratios wrapped/plain (throughput goal >= 0.99).
 
@@ -10,12 +10,12 @@ CPU (starts a plain and a wrapped NIXL pair of tiny-model API servers itself):
 
     .venv/bin/python benchmarks/bench_serve.py --rounds 6 --requests 48
 
-GPU (servers you started; the proxies are started here unless given):
+GPU (servers you started; the routers are started here, on loopback, unless given):
 
     python benchmarks/bench_serve.py --model MODEL \
         --prefill-url plain=http://h:8100 --decode-url plain=http://h:8200 \
         --prefill-url wrapped=http://h:8300 --decode-url wrapped=http://h:8400 \
-        [--proxy-url plain=http://h:8000 --proxy-url wrapped=http://h:8001]
+        [--router-url plain=http://h:8000 --router-url wrapped=http://h:8001]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtail_connector.demo.proxy_runner import RunningProxy  # noqa: E402
+from kvtail_connector.demo.router import Router  # noqa: E402
 from kvtail_connector.demo.workload import (  # noqa: E402
     Answer,
     completion_prompt,
@@ -119,7 +119,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefill-url", action="append", default=[], help="LABEL=URL (plain, wrapped)")
     ap.add_argument("--decode-url", action="append", default=[], help="LABEL=URL")
-    ap.add_argument("--proxy-url", action="append", default=[], help="LABEL=URL of your proxy")
+    ap.add_argument(
+        "--router-url", action="append", default=[], help="LABEL=URL of your vllm-router"
+    )
     ap.add_argument("--model", default="model", help="served model name (default: model)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds; each runs both pairs")
     ap.add_argument("--requests", type=int, default=48, help="requests per pair and round")
@@ -140,8 +142,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     with ExitStack() as stack:
-        proxies = _labelled(args.proxy_url, "--proxy-url")
-        if not proxies:
+        routers = _labelled(args.router_url, "--router-url")
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvtail-bench-serve-"))
+        if not routers:
             pre = _labelled(args.prefill_url, "--prefill-url")
             dec = _labelled(args.decode_url, "--decode-url")
             if pre or dec:
@@ -149,21 +152,22 @@ def main() -> int:
                     raise SystemExit("give --prefill-url and --decode-url for plain and wrapped")
                 pairs = {v: (pre[v], dec[v]) for v in VARIANTS}
             else:
-                log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvtail-bench-serve-"))
                 pairs = start_cpu_pairs(stack, log_dir, args.zero_tails, args.control)
-            proxies = {v: stack.enter_context(RunningProxy(*pairs[v])).url for v in VARIANTS}
-        elif set(proxies) != set(VARIANTS):
-            raise SystemExit("give --proxy-url for plain and wrapped")
+            for v in VARIANTS:
+                p, d = pairs[v]
+                routers[v] = stack.enter_context(Router(v, [p], [d], log_dir)).url
+        elif set(routers) != set(VARIANTS):
+            raise SystemExit("give --router-url for plain and wrapped")
 
         common = (args.model, args.requests, args.concurrency, args.max_tokens)
         for v in VARIANTS:  # warm-up, not measured
-            run_batch(proxies[v], args.model, args.concurrency, args.concurrency, 4, seed=99)
+            run_batch(routers[v], args.model, args.concurrency, args.concurrency, 4, seed=99)
         collected: dict[str, list[Answer]] = {v: [] for v in VARIANTS}
         walls: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
         for r in range(args.rounds):
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for v in order:
-                answers, wall = run_batch(proxies[v], *common, seed=r)  # same prompts for both
+                answers, wall = run_batch(routers[v], *common, seed=r)  # same prompts for both
                 collected[v] += answers
                 walls[v] += wall
                 print(f"round {r + 1}/{args.rounds} {v:8s} {wall:6.1f} s", flush=True)

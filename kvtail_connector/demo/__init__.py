@@ -11,7 +11,8 @@ Modules, one concept each:
   through ``LLM.collective_rpc``.
 * ``server``: the engine process (an ``LLM`` serving commands over a pipe).
 * ``engine``: the parent's handle on an engine process.
-* ``procs``: stopping everything on exit, Ctrl-C and SIGTERM; free ports.
+* ``procs``: stopping everything on exit, Ctrl-C and SIGTERM (process groups through
+  ``psutil``); free ports; the one deadline-bounded wait for a service's state.
 * ``mooncake``: a local ``mooncake_master``.
 * ``pd``: a prefill/decode pair, connector configs (plain and wrapped), one P/D request.
 * ``scenarios`` and ``report``: the demo's runs and its table; ``__main__``: the CLI.
@@ -23,7 +24,9 @@ The serving harness (``tests/serve``, ``benchmarks/bench_serve.py``), real API s
   freeze, stop; ``/metrics``, ``/collective_rpc``); ``slot_rpc``: the ``slots``
   functions as a worker extension, reached over ``/collective_rpc``.
 * ``serving``: prefill/decode pairs of servers (NIXL, MooncakeStore), plain or wrapped.
-* ``proxy_runner``: ``examples/proxy.py`` in a thread; ``workload``: OpenAI clients and
-  prompts of chosen lengths; ``faults``: hooks between the legs, fake prefill sides;
-  ``prom_text``: ``/metrics`` parsed.
+* ``router``: ``vllm-router`` (the P/D router users run) as a process on loopback;
+  ``prefill_tap``: a pass-through between the router and a prefill server, where
+  ``faults`` (hooks between the legs, fake prefill sides) act; ``workload``: OpenAI
+  clients and prompts of chosen lengths; ``prom_text``: ``/metrics`` parsed
+  (``prometheus_client``).
 """

@@ -171,21 +171,19 @@ class APIServer:
 
     def wait_ready(self, timeout: float = 600.0) -> APIServer:
         """Poll ``/health`` until it answers 200; error if the process exits first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.alive:
-                code = None if self._proc is None else self._proc.returncode
-                raise ServerError(
-                    f"{self.spec.name} exited ({code}) before it was ready\n{self.log_tail()}"
-                )
-            if self._healthy():
-                self.startup_s = time.monotonic() - self._t0
-                return self
-            if time.monotonic() > deadline:
-                raise ServerError(
-                    f"{self.spec.name} not ready within {timeout} s\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
+
+        def exited() -> str | None:
+            if self.alive:
+                return None
+            code = None if self._proc is None else self._proc.returncode
+            return f"{self.spec.name} exited ({code}) before it was ready"
+
+        try:
+            procs.wait_for(self._healthy, timeout, f"{self.spec.name} ready", dead=exited)
+        except (TimeoutError, RuntimeError) as e:
+            raise ServerError(f"{e}\n{self.log_tail()}") from None
+        self.startup_s = time.monotonic() - self._t0
+        return self
 
     def _healthy(self) -> bool:
         try:
@@ -206,16 +204,7 @@ class APIServer:
         """Every live process of the server's group (API server, engine, helpers)."""
         if self._proc is None:
             return []
-        pgid = self._proc.pid
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    stat = (entry / "stat").read_text()
-                    fields = stat[stat.rindex(")") + 2 :].split()
-                    if fields[0] != "Z" and int(fields[2]) == pgid:
-                        out.append(int(entry.name))
-        return out
+        return [p.pid for p in procs.group_processes(self._proc.pid)]
 
     def signal_group(self, sig: int) -> None:
         if self._proc is not None:
@@ -224,8 +213,8 @@ class APIServer:
 
     def kill(self) -> None:
         """SIGKILL the whole server at once (a crash), and reap it."""
-        self.signal_group(signal.SIGKILL)
-        self._reap(10.0)
+        if self._proc is not None:
+            procs.stop_group(self._proc, signal.SIGKILL, 10.0)
 
     def freeze(self) -> None:
         """SIGSTOP every process of the server: it holds its sockets and answers nothing."""
@@ -241,23 +230,7 @@ class APIServer:
         if self._proc is None:
             return
         self.signal_group(signal.SIGCONT)  # a frozen server cannot handle SIGTERM
-        self.signal_group(signal.SIGTERM)
-        self._reap(timeout)
-
-    def _reap(self, timeout: float) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (proc.poll() is None or self.group_pids()):
-            time.sleep(0.1)
-        if proc.poll() is None or self.group_pids():
-            self.signal_group(signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10)
-            deadline = time.monotonic() + 10
-            while self.group_pids() and time.monotonic() < deadline:
-                time.sleep(0.1)
+        procs.stop_group(self._proc, signal.SIGTERM, timeout)
 
     def log_tail(self, n: int = 80) -> str:
         try:

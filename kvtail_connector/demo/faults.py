@@ -1,7 +1,8 @@
 """Faults to inject between the two legs of a P/D request, and fake prefill sides.
 
-The ``after_prefill`` hooks run inside the example proxy between the prefill
-leg's answer and the decode leg (``proxy_runner.RunningProxy``):
+The ``after_prefill`` hooks run in :class:`~kvtail_connector.demo.prefill_tap.PrefillTap`
+between the prefill leg's answer and the moment ``vllm-router`` gets it (and sends
+the decode leg):
 
 * :class:`PoisonTail` plants a value (NaN) in the producer's never-written tail
   slots of the request's last block, as the in-process e2e tests do;
@@ -10,21 +11,20 @@ leg's answer and the decode leg (``proxy_runner.RunningProxy``):
   servers can meet the same fault at once.
 
 :class:`BlackHole` is a prefill side that never answers the NIXL handshake, and
-:class:`FakePrefill` an HTTP prefill server whose answers send the decode
+:func:`fake_prefill` prefill answers (``PrefillTap.fake``) that send the decode
 server to it (or anywhere else).
 """
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import uuid
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvtail_connector.demo.api_server import APIServer
+from kvtail_connector.demo.prefill_tap import FakeAnswer
 
 
 def prompt_tokens(prefill_answer: dict[str, Any]) -> int:
@@ -104,42 +104,20 @@ class BlackHole:
             s.close()
 
 
-class FakePrefill:
-    """An HTTP "prefill server" answering every prefill leg with ``params(body)`` as
-    its ``kv_transfer_params`` (and one token), without computing anything."""
+def fake_prefill(params: Callable[[dict[str, Any]], dict[str, Any]]) -> FakeAnswer:
+    """A prefill side that computes nothing (``PrefillTap.fake``): every prefill leg
+    is answered with one token and ``params(body)`` as its ``kv_transfer_params``."""
 
-    def __init__(self, params: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        make = params
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": "fake",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
+            "kv_transfer_params": params(body),
+        }
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                answer = {
-                    "id": "fake",
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1},
-                    "kv_transfer_params": make(body),
-                }
-                payload = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    return answer
 
 
 def nixl_params_to(host: str, port: int, block_ids: list[int]) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtail_connector.demo import procs
+from kvtail_connector.demo.prom_text import parse_metrics
 
 
 def find_mooncake_master() -> str:
@@ -87,17 +87,11 @@ class MooncakeMaster:
         return {"MOONCAKE_CONFIG_PATH": str(self.config_path)}
 
     def metrics(self) -> dict[str, float]:
-        """The master's Prometheus counters/gauges (name{labels} -> value)."""
+        """The master's Prometheus samples, summed over labels (sample name -> value)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - loopback
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, val = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    out[name] = float(val)
-        return out
+            samples = parse_metrics(r.read().decode())
+        return {name: sum(v for _, v in rows) for name, rows in samples.items()}
 
     def puts(self) -> tuple[float, float]:
         """(puts started, puts ended or revoked) according to the master."""
@@ -118,14 +112,8 @@ class MooncakeMaster:
     def close(self) -> None:
         proc, self._proc = self._proc, None
         procs.unregister(self)
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if proc is not None:
+            procs.stop_process(proc, 10.0)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start() if self._proc is None else self

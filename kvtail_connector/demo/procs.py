@@ -1,10 +1,16 @@
 """Process bookkeeping: everything the demo and the harness start is stopped on exit.
 
-Objects with a ``close()`` (engine processes, the Mooncake master) register
-here; they are closed from ``atexit`` (normal exit, and Ctrl-C, whose
+Objects with a ``close()`` (engine processes, API servers, routers, the Mooncake
+master) register here; they are closed from ``atexit`` (normal exit, and Ctrl-C, whose
 KeyboardInterrupt unwinds to exit) and from a SIGTERM/SIGHUP handler (which
 would skip ``atexit``). Children also ask the kernel to kill them when their
 parent dies, so even a SIGKILLed parent leaves nothing behind.
+
+Processes are found and awaited with ``psutil`` (a vLLM dependency): the members of
+a process group, and their exit, without walking ``/proc`` or sleeping in loops.
+What stays a poll is waiting for a *service* to reach a state (a port open, an HTTP
+endpoint saying ready): :func:`wait_for`, the one such loop of the harness, with a
+deadline and an error naming what was awaited and what was last seen.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import subprocess
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psutil
+
+T = TypeVar("T")
 
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with .close()
 _cleanup_lock = threading.Lock()
@@ -129,13 +140,83 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     raise RuntimeError(f"no {n} free ports in {pool.start}-{pool.stop - 1} on {host}")
 
 
+def wait_for(
+    pred: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    interval: float = 0.25,
+    dead: Callable[[], str | None] | None = None,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """Call ``pred`` until it returns something truthy, and return that. Raises
+    ``TimeoutError`` after ``timeout`` s, or ``RuntimeError`` as soon as ``dead()``
+    names a reason to stop (the process meant to answer exited); both name ``what``,
+    ``pred``'s last value and ``detail()`` (a log tail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = pred()
+        if last:
+            return last
+        reason = dead() if dead is not None else None
+        if reason or time.monotonic() > deadline:
+            more = f"\n{detail()}" if detail is not None else ""
+            why = reason or f"not reached within {timeout} s"
+            err = RuntimeError if reason else TimeoutError
+            raise err(f"{what}: {why} (last: {last!r}){more}")
+        time.sleep(interval)
+
+
 def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
     """Wait until ``host:port`` accepts connections (or ``proc`` exits: error)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+
+    def accepts() -> bool:
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{host}:{port} did not open within {timeout} s")
+            return True
+        return False
+
+    def exited() -> str | None:
+        if proc is not None and proc.poll() is not None:
+            return f"process exited with {proc.returncode}"
+        return None
+
+    wait_for(accepts, timeout, f"{host}:{port} open", interval=0.1, dead=exited)
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def stop_group(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Send ``sig`` to the process group led by ``proc`` and wait until none of it
+    lives; SIGKILL what is left after ``timeout`` s (and wait 10 s more for that)."""
+    members = group_processes(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    _, alive = psutil.wait_procs(members, timeout=timeout)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(0 if not alive else 0.1)
+    if alive or proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM one process, SIGKILL it after ``timeout`` s; reaped either way."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -1,28 +1,26 @@
-"""Prometheus text exposition, parsed: what a server's ``/metrics`` says."""
+"""Prometheus text exposition, parsed: what a server's ``/metrics`` says.
+
+Parsing is ``prometheus_client``'s (a vLLM dependency); this module only indexes
+the samples by their own name (``vllm:kvtail_tails_zeroed_total``, ``..._bucket``)
+and adds the sums the harness asks for.
+"""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
-# name -> [(labels, value), ...] for every sample line
-Samples = dict[str, list[tuple[dict[str, str], float]]]
+from prometheus_client.parser import text_string_to_metric_families
 
-_LINE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+# sample name -> [(labels, value), ...] for every sample
+Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def parse_metrics(text: str) -> Samples:
-    """Every sample of a text exposition (comments skipped)."""
+    """Every sample of a text exposition, by sample name."""
     out: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        labels = dict(_LABEL.findall(m.group("labels") or ""))
-        out.setdefault(m.group("name"), []).append((labels, float(m.group("value"))))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return out
 
 

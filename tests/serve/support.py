@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
+from kvtail_connector.demo import procs
 from kvtail_connector.demo.api_server import APIServer
 from kvtail_connector.demo.prom_text import delta, info_label, kvtail_values, total
 from kvtail_connector.demo.workload import Answer, Prompt, openai_client, send_all
@@ -17,16 +17,11 @@ CONCURRENCY = 8
 
 def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:
     """Poll ``pred`` until it returns something truthy; its last value on timeout
-    goes into the error."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        last = pred()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout} s (last: {last!r})")
-        time.sleep(interval)
+    goes into the (assertion) error."""
+    try:
+        return procs.wait_for(pred, timeout, what, interval=interval)
+    except TimeoutError as e:
+        raise AssertionError(str(e)) from None
 
 
 def block_size(server: APIServer) -> int:

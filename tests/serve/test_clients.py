@@ -1,4 +1,4 @@
-"""OpenAI clients through the example proxy, against real API servers.
+"""OpenAI clients through ``vllm-router``, against real API servers.
 
 (a) 48 prompts of random lengths, half ending inside a block (by construction,
     with the block size the engine reports), completions and chats, streamed and
@@ -6,7 +6,9 @@
     answer equals the single-engine server's, and the wrapped decode server's
     ``/metrics`` count one zeroed, probed tail per mid-block prompt, the bytes
     those tails hold, no failure, and nothing held afterwards.
-(b) NaN planted in the producer's never-written tail slots after each prefill:
+(b) NaN planted in the producer's never-written tail slots after each prefill
+    (by a tap between the router and the prefill server, before the router sends
+    the decode leg):
     the plain pair delivers it (NaN in the decode server's cache, answers that
     differ), the wrapped pair zeroes it (no NaN, answers equal, the probe counts
     exactly the NaN planted).
@@ -17,7 +19,8 @@ from __future__ import annotations
 import pytest
 
 from kvtail_connector.demo.faults import PoisonTail
-from kvtail_connector.demo.proxy_runner import RunningProxy
+from kvtail_connector.demo.prefill_tap import PrefillTap
+from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.serving import ServePair
 from kvtail_connector.demo.workload import Prompt, mixed_prompts, openai_client, send, send_all
 from tests.serve.conftest import Servers
@@ -60,9 +63,10 @@ def _stop_plain_pair(servers: Servers):
     servers.fleet.close_pair("plain")  # the fault tests need only the wrapped pair
 
 
-def _through(pair: ServePair, prompts: list[Prompt]):
-    with RunningProxy(pair.prefill.url, pair.decode.url) as proxy:
-        return send_all(openai_client(proxy.url), prompts, MAX_TOKENS, CONCURRENCY)
+def _through(servers: Servers, pair: ServePair, prompts: list[Prompt]):
+    log_dir = servers.fleet.log_dir
+    with Router(pair.name, [pair.prefill.url], [pair.decode.url], log_dir) as router:
+        return send_all(openai_client(router.url), prompts, MAX_TOKENS, CONCURRENCY)
 
 
 def test_concurrent_clients_equal_the_single_engine(servers: Servers, bs: int) -> None:
@@ -74,16 +78,17 @@ def test_concurrent_clients_equal_the_single_engine(servers: Servers, bs: int) -
     # The lengths the engine saw are the lengths the prompts were built with.
     assert [len(r.prompt_token_ids or ()) for r in refs] == [p.num_tokens for p in prompts]
 
-    plain = _through(servers.plain, prompts)
+    plain = _through(servers, servers.plain, prompts)
     assert mismatches(plain, refs) == []
 
     d = servers.wrapped.decode
     before, p_before = kvtail(d), kvtail(servers.wrapped.prefill)
-    wrapped = _through(servers.wrapped, prompts)
+    wrapped = _through(servers, servers.wrapped, prompts)
     assert mismatches(wrapped, refs) == []
     # Both servers run the wrapper: P zeroed every mid-block tail and vouched for
-    # it, the entry crossed the example proxy, and D zeroed nothing (its probe
-    # checked each vouched tail: all zero).
+    # it, the entry crossed vllm-router (which copies the prefill answer's
+    # kv_transfer_params whole), and D zeroed nothing (its probe checked each
+    # vouched tail: all zero).
     want = {
         "tails_vouched": 0,  # counted on P
         "vouched_tails": len(mid),
@@ -102,13 +107,17 @@ def test_concurrent_clients_equal_the_single_engine(servers: Servers, bs: int) -
     assert p_got["producer_tail_bytes_zeroed"] == expected_tail_bytes(prompts, bs, slot_bytes(d))
 
 
-def _poisoned(pair: ServePair, prompts: list[Prompt], bs: int):
+def _poisoned(servers: Servers, pair: ServePair, prompts: list[Prompt], bs: int):
     """Each prompt alone (poison must not reach another request's blocks), NaN in
     the producer's tail; returns (answers, NaN census of D after each, poison hook)."""
     hook = PoisonTail(pair.prefill, bs)
     answers, census = [], []
-    with RunningProxy(pair.prefill.url, pair.decode.url, after_prefill=hook) as proxy:
-        client = openai_client(proxy.url)
+    with (
+        PrefillTap(pair.prefill.url) as tap,
+        Router(f"{pair.name}-tap", [tap.url], [pair.decode.url], servers.fleet.log_dir) as router,
+    ):
+        tap.after_prefill = hook
+        client = openai_client(router.url)
         for p in prompts:
             try:
                 answers.append(send(client, p, MAX_TOKENS))
@@ -126,14 +135,14 @@ def test_planted_nan_tail_breaks_the_plain_pair_not_the_wrapped_one(
     prompts = [p for p in _prompts(servers, 16, bs, seed=2) if p.mid_block(bs)]
     refs = references(servers.reference, prompts)
 
-    plain, plain_census, plain_hook = _poisoned(servers.plain, prompts, bs)
+    plain, plain_census, plain_hook = _poisoned(servers, servers.plain, prompts, bs)
     assert all(plain_hook.planted), plain_hook.planted
     assert all(plain_census), "the plain pair must deliver the NaN tail"
     assert len(mismatches(plain, refs)) == len(prompts), "every poisoned answer must differ"
 
     d = servers.wrapped.decode
     before = kvtail(d)
-    wrapped, census, hook = _poisoned(servers.wrapped, prompts, bs)
+    wrapped, census, hook = _poisoned(servers, servers.wrapped, prompts, bs)
     assert all(hook.planted), hook.planted
     assert census == [{}] * len(prompts)
     assert mismatches(wrapped, refs) == []

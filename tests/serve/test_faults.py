@@ -1,8 +1,11 @@
 """Faults between real servers, under ``kv_load_failure_policy`` recompute and fail.
 
 The wrapped pair's prefill server feeds two decode servers, one per policy;
-each fault hits both at once (the same request shape through two proxies).
-After every fault:
+each fault hits both at once (the same request shape through two routes). A
+route is a ``vllm-router`` in front of the prefill server and one decode server,
+with a :class:`~kvtail_connector.demo.prefill_tap.PrefillTap` between the router
+and the prefill server: the faults between the legs happen there, after the
+prefill answer and before the router sends the decode leg. After every fault:
 
 * no NaN anywhere in either decode server's KV cache;
 * ``recompute``: the answer equals the single-engine server's;
@@ -11,7 +14,11 @@ After every fault:
 * the wrapper holds nothing (``vllm:kvtail_held_requests`` back to 0), and
   ``vllm:kvtail_failed_loads_total`` moved by the failures that happened;
 * the decode servers keep serving: a request computed locally, and P/D requests
-  through the proxy once a (restarted) prefill server is up.
+  through the router once a (restarted) prefill server is up.
+
+With the prefill server dead, the router itself is measured (README, "Serving"):
+its answer to a client, that nothing reaches the decode server, when its health
+check takes the prefill server out and when it routes again after the restart.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -28,9 +36,11 @@ from typing import Any
 import pytest
 
 from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.faults import AfterPrefill, BlackHole, FakePrefill, nixl_params_to
+from kvtail_connector.demo.faults import AfterPrefill, BlackHole, fake_prefill, nixl_params_to
+from kvtail_connector.demo.prefill_tap import AfterPrefill as TapHook
+from kvtail_connector.demo.prefill_tap import FakeAnswer, PrefillTap
 from kvtail_connector.demo.prom_text import total
-from kvtail_connector.demo.proxy_runner import RunningProxy
+from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.serving import ServePair
 from kvtail_connector.demo.workload import (
     Answer,
@@ -59,11 +69,17 @@ POLICIES = ("recompute", "fail")
 
 @dataclass
 class Route:
-    """One decode server and a proxy in front of it (and of the prefill side)."""
+    """One decode server behind a router whose prefill side is a tap on the
+    prefill server."""
 
     policy: str
     decode: APIServer
-    proxy: RunningProxy
+    tap: PrefillTap
+    router: Router
+
+    @property
+    def url(self) -> str:
+        return self.router.url
 
 
 @pytest.fixture
@@ -80,25 +96,38 @@ def bs(pair: ServePair) -> int:
     return block_size(pair.decode)
 
 
+@pytest.fixture(scope="module")
+def _routes(servers: Servers) -> Iterator[list[Route]]:
+    """A tap and a router per policy, for the whole module (a router takes seconds
+    to start; the hooks change per test)."""
+    pair = servers.wrapped
+    if not pair.prefill.alive:
+        pair.prefill.start().wait_ready()
+    with ExitStack() as stack:
+        out = []
+        for policy in POLICIES:
+            decode = pair.decodes[policy]
+            tap = stack.enter_context(PrefillTap(pair.prefill.url))
+            router = Router(f"faults-{policy}", [tap.url], [decode.url], servers.fleet.log_dir)
+            out.append(Route(policy, decode, tap, stack.enter_context(router)))
+        yield out
+
+
 @pytest.fixture
-def routes(pair: ServePair, request: pytest.FixtureRequest) -> Iterator[Callable[..., list[Route]]]:
-    """``routes(after_prefill=..., prefill_url=...)``: a proxy per policy."""
-    stack = ExitStack()
+def routes(pair: ServePair, _routes: list[Route]) -> Iterator[Callable[..., list[Route]]]:
+    """``routes(after_prefill=..., fake=...)``: the routes with these between the
+    legs (none: plain P/D), once each router sees its workers healthy."""
 
-    def make(prefill_url: str | None = None, **kw: Any) -> list[Route]:
-        return [
-            Route(
-                policy,
-                pair.decodes[policy],
-                stack.enter_context(
-                    RunningProxy(prefill_url or pair.prefill.url, pair.decodes[policy].url, **kw)
-                ),
-            )
-            for policy in POLICIES
-        ]
+    def make(after_prefill: TapHook | None = None, fake: FakeAnswer | None = None) -> list[Route]:
+        for r in _routes:
+            r.tap.reset(pair.prefill.url)
+            r.tap.after_prefill, r.tap.fake = after_prefill, fake
+            r.router.wait_ready()
+        return _routes
 
-    with stack:
-        yield make
+    yield make
+    for r in _routes:
+        r.tap.reset(pair.prefill.url)
 
 
 def _prompts(bs: int, seed: int, stream: bool = False) -> list[Prompt]:
@@ -113,7 +142,7 @@ def _prompts(bs: int, seed: int, stream: bool = False) -> list[Prompt]:
 def _send_each(routes: list[Route], prompts: list[Prompt]) -> list[Future[Answer]]:
     pool = ThreadPoolExecutor(len(routes))
     futures = [
-        pool.submit(send, openai_client(r.proxy.url), p, MAX_TOKENS)
+        pool.submit(send, openai_client(r.url), p, MAX_TOKENS)
         for r, p in zip(routes, prompts, strict=True)
     ]
     pool.shutdown(wait=False)
@@ -165,8 +194,9 @@ def _check(
 
 
 def _keeps_serving(servers: Servers, pair: ServePair, routes: list[Route], bs: int, seed: int):
-    """Both decode servers answer a local request, then (prefill server up) P/D
-    requests through their proxies, all equal to the single-engine answers."""
+    """Both decode servers answer a local request, then (prefill server up, and
+    healthy in each router's eyes) P/D requests through their routers, all equal to
+    the single-engine answers."""
     prompts = _prompts(bs, seed)
     refs = references(servers.reference, prompts)
     for route in routes:
@@ -175,8 +205,9 @@ def _keeps_serving(servers: Servers, pair: ServePair, routes: list[Route], bs: i
     if not pair.prefill.alive:
         pair.prefill.start().wait_ready()
     for route in routes:
+        route.router.wait_ready()
         before = kvtail(route.decode)
-        answers = [send(openai_client(route.proxy.url), p, MAX_TOKENS) for p in prompts]
+        answers = [send(openai_client(route.url), p, MAX_TOKENS) for p in prompts]
         assert mismatches(answers, refs) == [], route.policy
         # The restarted P vouches again: D trusts, zeroes nothing.
         want = {"vouched_tails": len(prompts), "tails_zeroed": 0, "failed_loads": 0}
@@ -187,13 +218,53 @@ def _keeps_serving(servers: Servers, pair: ServePair, routes: list[Route], bs: i
 # --------------------------------------------------------------------------- #
 
 
+def _router_with_prefill_dead(
+    servers: Servers, pair: ServePair, router: Router, decode: APIServer, bs: int
+) -> dict[str, Any]:
+    """A router straight in front of the (dead) prefill server and one decode
+    server: the router's answer, what reached the decode server, when the router's
+    health check took the prefill server out, and when it routed again after the
+    restart; the timings are returned (and printed, for the README)."""
+    import openai
+
+    prompt = _prompts(bs, seed=12)[0]
+    ref = references(servers.reference, [prompt])
+    seen, before = total(decode.metrics(), "vllm:prompt_tokens_total"), kvtail(decode)
+    t0 = time.monotonic()
+    first = send(openai_client(router.url), prompt, MAX_TOKENS)
+    err = first.error
+    assert isinstance(err, openai.APIStatusError) and err.status_code in (500, 503), repr(err)
+    wait_until(lambda: not router.ready(), 60, f"router {router.name}: prefill server down")
+    down_s = time.monotonic() - t0
+    later = send(openai_client(router.url), prompt, MAX_TOKENS).error
+    assert isinstance(later, openai.APIStatusError) and later.status_code == 503, repr(later)
+    # Nothing reached the decode server, which still serves what it computes itself.
+    assert total(decode.metrics(), "vllm:prompt_tokens_total") == seen
+    assert mismatches([send(openai_client(decode.url), prompt, MAX_TOKENS)], ref) == []
+    wait_counts(decode, before, {"failed_loads": 0, "held_requests": 0})
+    pair.prefill.start().wait_ready()
+    t1 = time.monotonic()
+    router.wait_ready()
+    up_s = time.monotonic() - t1
+    assert mismatches([send(openai_client(router.url), prompt, MAX_TOKENS)], ref) == []
+    seen_by_client = {"status": err.status_code, "body": str(err.body)[:160]}
+    timings = {"first": seen_by_client, "marked_down_s": down_s, "routes_again_s": up_s}
+    print(f"\nrouter with its prefill server dead: {timings}")
+    return timings
+
+
 def test_prefill_killed_after_its_answer(servers: Servers, pair: ServePair, routes, bs) -> None:
-    """SIGKILL after the prefill leg answered, before either decode server pulled."""
-    rs = routes(after_prefill=AfterPrefill(pair.prefill.kill, parties=len(POLICIES)))
-    before = [kvtail(r.decode) for r in rs]
-    answers = [f.result(timeout=600) for f in _send_each(rs, _prompts(bs, seed=10))]
-    assert not pair.prefill.alive
-    _check(servers, rs, answers, before, failed={"recompute": 1, "fail": 1})
+    """SIGKILL after the prefill leg answered, before either decode server pulled;
+    then the router with its prefill server dead, and the restart."""
+    decode = pair.decodes["recompute"]
+    log_dir = servers.fleet.log_dir
+    with Router("direct", [pair.prefill.url], [decode.url], log_dir) as direct:
+        rs = routes(after_prefill=AfterPrefill(pair.prefill.kill, parties=len(POLICIES)))
+        before = [kvtail(r.decode) for r in rs]
+        answers = [f.result(timeout=600) for f in _send_each(rs, _prompts(bs, seed=10))]
+        assert not pair.prefill.alive
+        _check(servers, rs, answers, before, failed={"recompute": 1, "fail": 1})
+        _router_with_prefill_dead(servers, pair, direct, decode, bs)
     _keeps_serving(servers, pair, rs, bs, seed=11)
 
 
@@ -256,14 +327,12 @@ def test_handshake_never_answered(servers: Servers, pair: ServePair, routes, bs)
     def params(body: dict[str, Any]) -> dict[str, Any]:
         return nixl_params_to("127.0.0.1", hole.port, blocks[tuple(body["prompt"])])
 
-    fake = FakePrefill(params)
     try:
-        rs = routes(prefill_url=fake.url)
+        rs = routes(fake=fake_prefill(params))
         before = [kvtail(r.decode) for r in rs]
         answers = [f.result(timeout=600) for f in _send_each(rs, prompts)]
         _check(servers, rs, answers, before, failed={"recompute": 1, "fail": 1})
     finally:
-        fake.close()
         hole.close()
     _keeps_serving(servers, pair, routes(), bs, seed=31)
 
@@ -280,7 +349,7 @@ def test_transfer_reported_failed(servers: Servers, pair: ServePair, routes, bs)
     before = [kvtail(r.decode) for r in rs]
     answers = [f.result(timeout=600) for f in _send_each(rs, _prompts(bs, seed=40))]
     _check(servers, rs, answers, before, failed={"recompute": 1, "fail": 1})
-    _keeps_serving(servers, pair, routes(), bs, seed=41)  # proxies without the bad ids
+    _keeps_serving(servers, pair, routes(), bs, seed=41)  # taps without the bad ids
 
 
 def _open_stream(url: str, prompt: Prompt) -> http.client.HTTPConnection:
@@ -303,7 +372,7 @@ def test_client_disconnects_while_decode_loads(
 
     def start(rs: list[Route], attempt: int) -> list[http.client.HTTPConnection]:
         prompts = _prompts(bs, seed=51 + 100 * attempt, stream=True)
-        return [_open_stream(r.proxy.url, p) for r, p in zip(rs, prompts, strict=True)]
+        return [_open_stream(r.url, p) for r, p in zip(rs, prompts, strict=True)]
 
     def drain(conns: list[http.client.HTTPConnection]) -> None:
         for c in conns:

@@ -1,8 +1,9 @@
 """``KVTailConnector`` around MooncakeStore between two API servers and a master.
 
 The prefill server stores each prompt's blocks in a local ``mooncake_master``;
-the decode server, behind the example proxy in ``--store`` mode, loads what
-the store holds. On the tiny Llama (one KV precision, no prefix-match unit
+the decode server, behind ``vllm-router`` (whose decode leg is the client's request
+plus whatever ``kv_transfer_params`` the prefill answer carries), loads what the
+store holds. On the tiny Llama (one KV precision, no prefix-match unit
 below the block) store hits are whole blocks: the wrapper must be transparent.
 Clients, 8 at a time, get the single-engine answers; the decode server loaded
 from the store; the wrapper zeroed nothing, counted no failure and holds
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtail_connector.demo.prom_text import total
-from kvtail_connector.demo.proxy_runner import RunningProxy
+from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.serving import ServePair
 from kvtail_connector.demo.tiny_model import ensure_tiny_llama
 from kvtail_connector.demo.workload import mixed_prompts, openai_client, send_all
@@ -52,7 +53,7 @@ def _store_hits(pair: ServePair) -> float:
     return total(pair.decode.metrics(), "vllm:external_prefix_cache_hits_total")
 
 
-def test_store_pair_through_the_proxy_is_transparent(servers: Servers, pair: ServePair) -> None:
+def test_store_pair_through_the_router_is_transparent(servers: Servers, pair: ServePair) -> None:
     bs = block_size(pair.decode)
     ref = servers.reference
 
@@ -62,8 +63,9 @@ def test_store_pair_through_the_proxy_is_transparent(servers: Servers, pair: Ser
     prompts = mixed_prompts(24, bs, count_tokens, seed=5, low=bs + 1, high=200)
     refs = references(ref, prompts)
     before, hits = kvtail(pair.decode), _store_hits(pair)
-    with RunningProxy(pair.prefill.url, pair.decode.url, store=True) as proxy:
-        answers = send_all(openai_client(proxy.url), prompts, MAX_TOKENS, CONCURRENCY)
+    log_dir = servers.fleet.log_dir
+    with Router("mooncake", [pair.prefill.url], [pair.decode.url], log_dir) as router:
+        answers = send_all(openai_client(router.url), prompts, MAX_TOKENS, CONCURRENCY)
     assert mismatches(answers, refs) == []
     got = wait_counts(pair.decode, before, {"tails_zeroed": 0, "failed_loads": 0})
     assert got["held_requests"] == 0, got

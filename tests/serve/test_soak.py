@@ -1,6 +1,6 @@
 """A bounded soak of the wrapped pair (runs only with ``KVTAIL_SOAK=1``).
 
-A few hundred requests through the example proxy within at most five minutes,
+A few hundred requests through ``vllm-router`` within at most five minutes,
 8 at a time, prompts of random lengths (completions and chats, streamed and
 not), and about one in eight streamed requests abandoned by its client at a
 random point (before the first token: while the decode server loads; or after
@@ -13,6 +13,7 @@ decode server's cache, and the decode server's RSS growth is reported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -21,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.proxy_runner import RunningProxy
+from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.workload import (
     Answer,
     Prompt,
@@ -59,12 +61,8 @@ def rss_bytes(server: APIServer) -> int:
     """Resident memory of every process of the server (API server and engine)."""
     out = 0
     for pid in server.group_pids():
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    out += int(line.split()[1]) * 1024
-        except OSError:
-            pass
+        with contextlib.suppress(psutil.Error):
+            out += psutil.Process(pid).memory_info().rss
     return out
 
 
@@ -108,15 +106,15 @@ def test_soak(servers: Servers, tmp_path: Path) -> None:
     answers: dict[int, Answer] = {}
     abandoned: dict[int, Any] = {}
     t0 = time.monotonic()
-    with RunningProxy(pair.prefill.url, d.url) as proxy:
-        client = openai_client(proxy.url)
+    with Router("soak", [pair.prefill.url], [d.url], servers.fleet.log_dir) as router:
+        client = openai_client(router.url)
 
         def one(i: int) -> None:
             if time.monotonic() - t0 > BUDGET_S:
                 return
             if i in aborts:
                 try:
-                    abandoned[i] = _abandon(proxy.url, prompts[i], abort_after[i])
+                    abandoned[i] = _abandon(router.url, prompts[i], abort_after[i])
                 except Exception as e:  # noqa: BLE001 - counted below
                     abandoned[i] = e
             else:
