@@ -104,6 +104,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config,
             inner_ktc,
             f"{inner_connector.BACKEND} ({cfg.backend})",
+            children=[(c.label, c.transfer_config.kv_connector) for c in children],
             has_mamba=bool(kv_cache_config.has_mamba_layers),
             is_worker=role == KVConnectorRole.WORKER,
         )

@@ -376,14 +376,32 @@ def apply_early_environment(
 # ------------------------------------------------------------ start-up checks
 
 
-def _first(inner_ktc: Any, names: Sequence[str]) -> str | None:
-    return next((n for n in names if inner_ktc.has_connector(n)), None)
+@dataclass(frozen=True)
+class _Inner:
+    """The inner connector's transfer config, its label for messages, and its
+    MultiConnector children as ``(label, kv_connector name)``."""
+
+    ktc: Any
+    label: str
+    children: tuple[tuple[str, str], ...]
+
+    def find(self, names: Sequence[str]) -> tuple[str, str] | None:
+        """``(name, label)`` of the first of ``names`` vLLM's ``has_connector``
+        finds: the inner connector itself, or the child of that name."""
+        for name in names:
+            if self.ktc.has_connector(name):
+                if self.ktc.kv_connector == name:
+                    return name, self.label
+                child = next((lbl for lbl, n in self.children if n == name), self.label)
+                return name, child
+        return None
 
 
-def _check_routed_experts(vllm_config: Any, inner_ktc: Any, label: str) -> None:
+def _check_routed_experts(vllm_config: Any, inner: _Inner) -> None:
     aux = getattr(vllm_config, "aux_output_config", None)
-    name = _first(inner_ktc, ROUTED_EXPERTS_REFUSED) if aux is not None and aux.enabled else None
-    if name is not None:
+    found = inner.find(ROUTED_EXPERTS_REFUSED) if aux is not None and aux.enabled else None
+    if found is not None:
+        name, label = found
         raise ValueError(
             f"{label} behind KVTailConnector: --enable-return-routed-experts is incompatible "
             f"with {name}; PD auxiliary output is not supported. vLLM refuses this for {name} "
@@ -391,11 +409,13 @@ def _check_routed_experts(vllm_config: Any, inner_ktc: Any, label: str) -> None:
         )
 
 
-def _check_nixl_dcp(vllm_config: Any, inner_ktc: Any, label: str) -> None:
+def _check_nixl_dcp(vllm_config: Any, inner: _Inner) -> None:
     parallel = vllm_config.parallel_config
     dcp = _compat.dcp_world_size(parallel)
-    if dcp <= 1 or not inner_ktc.has_connector("NixlConnector"):
+    found = inner.find(("NixlConnector",)) if dcp > 1 else None
+    if found is None:
         return
+    label = found[1]
     transfer_tp = max(
         int(parallel.tensor_parallel_size),
         int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
@@ -422,8 +442,10 @@ def _check_nixl_dcp(vllm_config: Any, inner_ktc: Any, label: str) -> None:
         )
 
 
-def _check_hisparse(inner_ktc: Any, label: str) -> None:
-    if inner_ktc.has_connector("HiSparseConnector"):
+def _check_hisparse(inner: _Inner) -> None:
+    found = inner.find(("HiSparseConnector",))
+    if found is not None:
+        label = found[1]
         raise ValueError(
             f"{label}: HiSparseConnector cannot run behind KVTailConnector. vLLM turns "
             "HiSparse on and reads its host_pool_gib only from a kv_connector, or a "
@@ -435,12 +457,12 @@ def _check_hisparse(inner_ktc: Any, label: str) -> None:
         )
 
 
-def _check_simple_cpu_offload(vllm_config: Any, inner_ktc: Any, label: str) -> None:
-    if (
-        _compat.simple_cpu_offload_pool_sized_by_name()
-        and inner_ktc.has_connector("SimpleCPUOffloadConnector")
-        and vllm_config.cache_config.enable_prefix_caching
-    ):
+def _check_simple_cpu_offload(vllm_config: Any, inner: _Inner) -> None:
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return
+    found = inner.find(("SimpleCPUOffloadConnector",))
+    if found is not None and _compat.simple_cpu_offload_pool_sized_by_name():
+        label = found[1]
         raise ValueError(
             f"{label}: with prefix caching on, vLLM sizes SimpleCPUOffloadConnector's "
             "scheduler-side CPU pool from its workers only when it sees the connector by "
@@ -449,9 +471,11 @@ def _check_simple_cpu_offload(vllm_config: Any, inner_ktc: Any, label: str) -> N
         )
 
 
-def _check_conv_state_layout(inner_ktc: Any, label: str, has_mamba: bool) -> None:
-    if not has_mamba or _first(inner_ktc, NIXL_NAMES) is None:
+def _check_conv_state_layout(inner: _Inner, has_mamba: bool) -> None:
+    found = inner.find(NIXL_NAMES) if has_mamba else None
+    if found is None:
         return
+    label = found[1]
     layout = _compat.conv_state_layout()
     if layout != "DS":
         raise ValueError(
@@ -465,16 +489,31 @@ def _check_conv_state_layout(inner_ktc: Any, label: str, has_mamba: bool) -> Non
 
 
 def check_start_up(
-    vllm_config: Any, inner_ktc: Any, label: str, *, has_mamba: bool, is_worker: bool
+    vllm_config: Any,
+    inner_ktc: Any,
+    label: str,
+    *,
+    children: Sequence[tuple[str, str]] = (),
+    has_mamba: bool,
+    is_worker: bool,
 ) -> None:
     """Apply vLLM's name-keyed refusals to the inner connector; raise the one
-    ValueError of the first that fails. ``inner_ktc`` is the inner connector's
-    ``KVTransferConfig`` (``has_connector`` looks into a MultiConnector's
-    children, as vLLM's rules do); ``label`` names it in messages. The
-    conv-state layout is checked where caches are made (``is_worker``)."""
-    _check_routed_experts(vllm_config, inner_ktc, label)
-    _check_nixl_dcp(vllm_config, inner_ktc, label)
-    _check_hisparse(inner_ktc, label)
-    _check_simple_cpu_offload(vllm_config, inner_ktc, label)
+    ValueError of the first that fails.
+
+    Args:
+        inner_ktc: the inner connector's ``KVTransferConfig``; vLLM's
+            ``has_connector`` on it looks into a MultiConnector's children, as
+            vLLM's rules do.
+        label: the inner connector in messages.
+        children: a MultiConnector's children as ``(label, kv_connector)``, so
+            that a message names the child a rule is about.
+        has_mamba, is_worker: the conv-state layout is checked where caches
+            are made (workers), for models with Mamba layers.
+    """
+    inner = _Inner(inner_ktc, label, tuple(children))
+    _check_routed_experts(vllm_config, inner)
+    _check_nixl_dcp(vllm_config, inner)
+    _check_hisparse(inner)
+    _check_simple_cpu_offload(vllm_config, inner)
     if is_worker:
-        _check_conv_state_layout(inner_ktc, label, has_mamba)
+        _check_conv_state_layout(inner, has_mamba)
