@@ -14,7 +14,8 @@ lint:
 	scripts/lint
 
 # The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
-# itself up. Options: make demo ARGS="--backend mooncake" (or "--hybrid").
+# itself up (default: a Mamba hybrid over NIXL). Options: make demo ARGS="--model llama",
+# ARGS="--backend mooncake" or ARGS="--hybrid" (MooncakeStore, Qwen3-Next hybrid).
 demo:
 	scripts/demo $(ARGS)
 

@@ -373,6 +373,18 @@ def apply_early_environment(
     return applied
 
 
+def prepare_environment(kv_transfer_config: Mapping[str, Any]) -> dict[str, str]:
+    """For a Python launcher (``LLM(...)``, a harness starting engines): set in
+    ``os.environ`` what vLLM's platform would set for the connector inside the
+    wrapper, keeping any value already there. Call it before vLLM builds the
+    engine's config; it is what the plugin does for an API server's command
+    line. Returns what was set."""
+    wanted = early_environment(kv_transfer_config, _compat.platform_is_cpu())
+    applied = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
 # ------------------------------------------------------------ start-up checks
 
 
@@ -484,7 +496,9 @@ def _check_conv_state_layout(inner: _Inner, has_mamba: bool) -> None:
             "it sees a NIXL connector by name, and the wrapper could not set it before vLLM "
             "did (it does so for an API server's --kv-transfer-config JSON on the command "
             f"line). Set {CONV_STATE_LAYOUT_ENV}=DS in the environment of both the prefill "
-            "and the decode server."
+            "and the decode server (from Python: call "
+            "kvtail_connector.name_keyed.prepare_environment(kv_transfer_config) before "
+            "building the engine)."
         )
 
 

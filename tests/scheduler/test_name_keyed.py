@@ -202,6 +202,15 @@ def test_wrapper_as_a_multiconnector_child_gets_the_nixl_layout(clean_environ) -
 
 
 @pytestmark_cpu
+def test_a_python_launcher_prepares_the_same_layout(clean_environ) -> None:
+    wrapped = _wrapped(_nixl())
+    assert name_keyed.prepare_environment(wrapped) == {LAYOUT: "DS"}
+    _build(wrapped)
+    assert os.environ[LAYOUT] == "DS"
+    assert name_keyed.prepare_environment(wrapped) == {}  # set already: kept
+
+
+@pytestmark_cpu
 def test_wrapped_non_nixl_keeps_vllms_choice(clean_environ) -> None:
     plain = _mooncake_store()
     reference = _layout_after_config(plain, ["api_server"])
