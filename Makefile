@@ -22,7 +22,8 @@ package-check:
 	scripts/package-check
 
 # The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
-# itself up. Options: make demo ARGS="--backend mooncake" (or "--hybrid").
+# itself up (default: a Mamba hybrid over NIXL). Options: make demo ARGS="--model llama",
+# ARGS="--backend mooncake" or ARGS="--hybrid" (MooncakeStore, Qwen3-Next hybrid).
 demo:
 	scripts/demo $(ARGS)
 

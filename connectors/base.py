@@ -14,9 +14,10 @@ class InnerAdapter:
         self.inner_extra_config = inner_extra_config
 
     def validate(self, vllm_config: Any, backend_name: str) -> None:
-        """Refuse, at start-up, configurations that only work when vLLM sees
-        the inner connector by name (name-keyed checks do not see through a
-        wrapper). Raise ValueError naming the setting and the fix."""
+        """Refuse, at start-up, configurations this connector cannot run behind
+        the wrapper (for out-of-tree adapters; vLLM's name-keyed checks are
+        applied by :mod:`kvtail_connector.name_keyed`). Raise ValueError naming
+        the setting and the fix."""
 
     @property
     def sync_read(self) -> bool:

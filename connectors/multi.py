@@ -4,9 +4,10 @@ MultiConnector builds one connector per entry of its ``connectors`` list, in
 that order, and its metadata (``MultiKVConnectorMetadata.metadata``) is one
 entry per child in the same order; each child keeps its own extra config.
 So a child's adapter sees exactly what it would see as the backend: its
-own metadata for READ destinations, its own settings for READ mode, its own
-name for the name-keyed checks (vLLM's ``has_connector`` looks into a plain
-MultiConnector, never through the wrapper).
+own metadata for READ destinations, its own settings for READ mode. vLLM's
+name-keyed checks (``has_connector`` looks into a plain MultiConnector's
+children, never through the wrapper) are applied to the children by
+:mod:`kvtail_connector.name_keyed`.
 """
 
 from __future__ import annotations

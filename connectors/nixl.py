@@ -1,4 +1,5 @@
-"""NixlConnector (pull and push): re-apply the checks vLLM keys on its name."""
+"""NixlConnector (pull and push): what its transfers carry (the checks vLLM keys
+on its name are in :mod:`kvtail_connector.name_keyed`)."""
 
 from __future__ import annotations
 
@@ -24,34 +25,3 @@ class NixlAdapter(InnerAdapter):
         # completes the prompt, and the wrapper's zeroing never reaches the host.
         device = getattr(vllm_config.kv_transfer_config, "kv_buffer_device", None)
         return _compat.platform_is_cpu() or device != "cpu"
-
-    def validate(self, vllm_config: Any, backend_name: str) -> None:
-        parallel = vllm_config.parallel_config
-        dcp = _compat.dcp_world_size(parallel)
-        if dcp <= 1:
-            return
-        # vLLM checks these only when kv_connector is literally NixlConnector.
-        transfer_tp = max(
-            int(parallel.tensor_parallel_size),
-            int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
-        )
-        if dcp != transfer_tp:
-            raise ValueError(
-                f"{backend_name} behind KVTailConnector: decode_context_parallel_size={dcp} "
-                f"must be 1 or equal to the NIXL transfer parallel size ({transfer_tp})."
-            )
-        model = getattr(vllm_config, "model_config", None)
-        if model is not None and not getattr(model, "use_mla", False):
-            raise ValueError(
-                f"{backend_name} behind KVTailConnector: P/D with "
-                "decode_context_parallel_size > 1 is only supported for MLA models."
-            )
-        block_size = int(vllm_config.cache_config.block_size)
-        interleave = _compat.dcp_interleave_size(parallel)
-        if interleave != block_size:
-            raise ValueError(
-                f"{backend_name} behind KVTailConnector with decode_context_parallel_size="
-                f"{dcp}: vLLM sets cp_kv_cache_interleave_size to the block size only when "
-                f"it sees {backend_name} by name, and it cannot see through the wrapper. "
-                f"Set --cp-kv-cache-interleave-size {block_size} (now {interleave})."
-            )

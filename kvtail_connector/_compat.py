@@ -287,3 +287,18 @@ def rocm_v_interleaved(backend_name: str | None, layer_object: Any) -> bool | No
         impl = getattr(layer_object, "impl", None)
         return bool(getattr(impl, "_use_interleaved_v_cache", False))
     return None
+
+
+def conv_state_layout() -> str:
+    """The Mamba conv-state layout this process uses, "SD" or "DS" (0.32 and
+    0.33: ``mamba_utils.get_conv_state_layout``, cached at its first call)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return str(get_conv_state_layout())
+
+
+def simple_cpu_offload_pool_sized_by_name() -> bool:
+    """0.33's engine core sizes SimpleCPUOffloadConnector's scheduler-side CPU
+    pool from its workers when it sees the name (with prefix caching); 0.32 has
+    no such step."""
+    return check_vllm_version() >= (0, 33)

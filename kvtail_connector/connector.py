@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, entry, inner_connector
+from kvtail_connector import _compat, entry, inner_connector, name_keyed
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
 from kvtail_connector.kv_digests import HeadPlacement
@@ -99,6 +99,16 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         children = inner_connector.children_of(inner_cls, inner_ktc)
         adapter = inner_connector.build_adapter(inner_cls, inner_ktc, children)
         adapter.validate(vllm_config, cfg.backend)
+        # vLLM's rules keyed on the connector's name see "KVTailConnector":
+        # apply them to the inner one (and its MultiConnector children).
+        name_keyed.check_start_up(
+            vllm_config,
+            inner_ktc,
+            f"{inner_connector.BACKEND} ({cfg.backend})",
+            children=[(c.label, c.transfer_config.kv_connector) for c in children],
+            has_mamba=bool(kv_cache_config.has_mamba_layers),
+            is_worker=role == KVConnectorRole.WORKER,
+        )
         self._inner_hma = supports_hma(inner_cls)
         if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
             blocker = inner_connector.hma_blocker(

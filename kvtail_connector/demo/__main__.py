@@ -1,5 +1,6 @@
 """``python -m kvtail_connector.demo``: the stale-tail bug between two vLLM CPU engines,
-then the same requests through ``KVTailConnector``.
+then the same requests through ``KVTailConnector``. By default a tiny Mamba hybrid
+over NIXL with the wrapper's default ``zero_tails: "auto"``.
 
 Exit status 0 when every request through the wrapper left no NaN in the decode
 engine's blocks and decoded exactly like a single engine; 1 otherwise; 130 on Ctrl-C.
@@ -43,10 +44,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "with a local mooncake_master",
     )
     ap.add_argument(
+        "--model",
+        choices=["hybrid", "llama"],
+        default=None,
+        help="hybrid: a tiny Mamba/attention hybrid (Granite over NIXL, Qwen3-Next over "
+        "MooncakeStore); llama: a tiny uniform Llama (default: hybrid over NIXL, llama "
+        "over MooncakeStore)",
+    )
+    ap.add_argument(
         "--hybrid",
         action="store_true",
         help="MooncakeStore with a tiny Qwen3-Next hybrid, where store hits end mid-block "
-        "(implies --backend mooncake)",
+        "(the same as --backend mooncake --model hybrid)",
     )
     ap.add_argument(
         "--lengths",
@@ -58,8 +67,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--zero-tails",
         choices=["auto", "always", "off"],
         default=None,
-        help="the wrapper's zero_tails (default: always on the uniform Llama, auto on the "
-        "hybrid); auto or off on the Llama shows the demo failing",
+        help="the wrapper's zero_tails (default: auto on the hybrids, always on the uniform "
+        "Llama); auto or off on the Llama shows the demo failing",
     )
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens to decode (default 8)")
     ap.add_argument("--log-dir", type=Path, default=None, help="engine logs (default: temp dir)")
@@ -67,9 +76,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def scenario_name(args: argparse.Namespace) -> str:
+    """The scenario the flags ask for (see ``scenarios.scenario``)."""
+    if args.hybrid:
+        return "hybrid"
+    model = args.model or ("hybrid" if args.backend == "nixl" else "llama")
+    if args.backend == "nixl":
+        return "hybrid_nixl" if model == "hybrid" else "nixl"
+    return "hybrid" if model == "hybrid" else "mooncake"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    name = "hybrid" if args.hybrid else args.backend
+    name = scenario_name(args)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvtail-demo-"))
     t0 = time.monotonic()
     ok = False

@@ -49,7 +49,28 @@ class Scenario:
 
 
 def scenario(name: str) -> Scenario:
-    """``nixl``, ``mooncake`` or ``hybrid`` (MooncakeStore with the Qwen3-Next hybrid)."""
+    """``hybrid_nixl`` (the main line: the Granite hybrid over NIXL), ``nixl`` (the
+    uniform Llama over NIXL), ``mooncake`` (the Llama, MooncakeStore) or ``hybrid``
+    (MooncakeStore with the Qwen3-Next hybrid)."""
+    if name == "hybrid_nixl":
+        return Scenario(
+            name="hybrid_nixl",
+            backend="nixl",
+            model=lambda: ensure_tiny_hybrid(kind="granite"),
+            title="NixlConnector (UCX, CPU buffers), tiny Granite hybrid (Mamba2 + attention), "
+            "float32",
+            notes=[
+                "vLLM zeroes new blocks of hybrid models, but NIXL then copies the producer's "
+                "whole last block: its never-written tail slots arrive with it.",
+                "NaN planted in those slots after the producer's prefill, before the decode "
+                "engine pulls the blocks: bytes an earlier request could have left there.",
+                'zero_tails="auto", no other setting: the model needs KV-cache zeroing (Mamba '
+                "layers), so the wrapper zeroes the tail; the attention block follows the "
+                "Mamba page size.",
+            ],
+            zero_tails="auto",
+            poison_tail=math.nan,
+        )
     if name == "nixl":
         return Scenario(
             name="nixl",

@@ -112,6 +112,12 @@ class EngineServer:
             kw["num_gpu_blocks_override"] = cfg.num_blocks
         kw.update(cfg.llm_kwargs)
         self.cfg = cfg
+        if cfg.kv_transfer_config is not None:
+            # What the plugin does for an API server's command line: vLLM picks
+            # some settings by connector name and cannot see inside the wrapper.
+            from kvtail_connector.name_keyed import prepare_environment
+
+            prepare_environment(cfg.kv_transfer_config)
         self.llm = LLM(**kw)
         self.rec = _Recorder(self.llm)
 

@@ -1,0 +1,419 @@
+"""vLLM's name-keyed decisions, behind the wrapper as for the connector inside.
+
+Every test builds vLLM's real config the way an engine does (``VllmConfig``
+with the wrapper's ``kv_transfer_config``) and compares what vLLM does for the
+plain connector with what happens for the wrapped one: the wrapper applies
+vLLM's rule (the conv-state layout), or refuses at start-up with the setting
+that makes it work. The audit table itself (``name_keyed.RULES``) is checked
+against the installed release: each site holds what the table says, and no
+name-keyed site of vLLM is missing from it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+
+from kvtail_connector import _compat, name_keyed, plugin
+from kvtail_connector.config import KVTailConfig
+from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
+from kvtail_connector.inner_connector import inner_transfer_config, wrap_kv_transfer_config
+from tests.helpers.vllm_factories import (
+    make_hybrid_mamba_kv_cache_config,
+    make_kv_cache_config,
+    make_vllm_config,
+)
+
+LAYOUT = name_keyed.CONV_STATE_LAYOUT_ENV
+RELEASE = "{}.{}".format(*_compat.check_vllm_version())
+VLLM_DIR = Path(vllm.__file__).parent
+
+
+# ------------------------------------------------------------------ the audit
+
+
+def test_every_site_of_the_table_holds_what_it_says() -> None:
+    sites = name_keyed.rules_for(RELEASE)
+    assert sites, RELEASE
+    for rule, site in sites:
+        lines = (VLLM_DIR / site.path).read_text().splitlines()
+        near = "\n".join(lines[max(site.line - 3, 0) : site.line + 2])
+        where = f"{rule.key}: {site.path}:{site.line}"
+        assert site.text in near, f"{where} no longer holds {site.text!r}"
+
+
+def _is_connector_name(node: ast.AST) -> bool:
+    if isinstance(node, ast.Attribute):
+        return node.attr == "kv_connector"
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "kv_connector"
+    )
+
+
+def _is_name_value(node: ast.AST) -> bool:
+    # A string, a tuple of strings, or a variable holding one (connector_name).
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.Tuple):
+        return any(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+    return isinstance(node, ast.Name)
+
+
+def _name_keyed_sites(root: Path) -> Iterator[tuple[str, int, str]]:
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        rel = str(path.relative_to(root))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "has_connector"
+            ):
+                yield rel, node.lineno, ast.unparse(node)
+            elif isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(map(_is_connector_name, operands)) and any(
+                    _is_name_value(o) for o in operands if not _is_connector_name(o)
+                ):
+                    # Point at the line holding the name compared with.
+                    line = max(getattr(o, "lineno", node.lineno) for o in operands)
+                    yield rel, line, ast.unparse(node)
+
+
+def test_no_name_keyed_site_of_vllm_is_missing_from_the_table() -> None:
+    table = {(s.path, s.line) for _, s in name_keyed.rules_for(RELEASE)}
+    missing = [
+        f"{path}:{line}: {text}"
+        for path, line, text in _name_keyed_sites(VLLM_DIR)
+        if not any((path, near) in table for near in range(line - 2, line + 3))
+    ]
+    assert missing == [], "name-keyed sites the audit does not list:\n" + "\n".join(missing)
+
+
+# ------------------------------------------------------ conv-state layout (CPU)
+
+
+@pytest.fixture
+def clean_environ() -> Iterator[None]:
+    """No layout chosen yet; the environment as it was afterwards (CpuPlatform
+    writes LD_PRELOAD, the layout... into os.environ)."""
+    saved = dict(os.environ)
+    os.environ.pop(LAYOUT, None)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _nixl(role: str = "kv_consumer", name: str = "NixlConnector") -> dict[str, Any]:
+    return {"kv_connector": name, "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def _multi(*children: dict[str, Any], role: str = "kv_consumer") -> dict[str, Any]:
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"connectors": list(children)},
+    }
+
+
+def _mooncake_store() -> dict[str, Any]:
+    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+
+
+def _wrapped(plain: dict[str, Any]) -> dict[str, Any]:
+    return wrap_kv_transfer_config(plain)
+
+
+def _build(kv_transfer_config: dict[str, Any]) -> VllmConfig:
+    """The hybrid model's config as an API server builds it (EngineArgs)."""
+    from vllm.config import KVTransferConfig
+
+    args = EngineArgs(
+        model=str(ensure_tiny_hybrid(kind="granite")),
+        dtype="float32",
+        block_size=32,
+        max_model_len=256,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config),
+    )
+    return args.create_engine_config()
+
+
+def _layout_after_config(kv_transfer_config: dict[str, Any], argv: list[str]) -> str | None:
+    """The layout variable once vLLM built its config in a fresh front end whose
+    command line is ``argv`` (the plugin ran first, as vLLM runs it)."""
+    os.environ.pop(LAYOUT, None)
+    name_keyed.apply_early_environment(argv)
+    _build(kv_transfer_config)
+    return os.environ.get(LAYOUT)
+
+
+def _argv(kv_transfer_config: dict[str, Any]) -> list[str]:
+    return ["api_server", "--model", "m", "--kv-transfer-config", json.dumps(kv_transfer_config)]
+
+
+pytestmark_cpu = pytest.mark.skipif(not _compat.platform_is_cpu(), reason="CPU platform rule")
+
+NIXL_CASES = {
+    "nixl": _nixl(),
+    "nixl_pull": _nixl(name="NixlPullConnector"),
+    "multi_with_nixl_child": _multi(_nixl(), _mooncake_store()),
+}
+
+
+@pytestmark_cpu
+@pytest.mark.parametrize("case", sorted(NIXL_CASES))
+def test_wrapped_nixl_gets_the_layout_vllm_picks_for_plain_nixl(case, clean_environ) -> None:
+    plain = NIXL_CASES[case]
+    reference = _layout_after_config(plain, ["api_server"])
+    assert reference == "DS"  # vLLM's rule, keyed on the name
+    # Without the plugin's early step vLLM does not see NIXL behind the wrapper
+    # (the issue's start-up failure).
+    assert _layout_after_config(_wrapped(plain), ["api_server"]) != "DS"
+    # The plugin, from the command line, before vLLM picks: the same as plain.
+    assert _layout_after_config(_wrapped(plain), _argv(_wrapped(plain))) == reference
+
+
+@pytestmark_cpu
+def test_wrapper_as_a_multiconnector_child_gets_the_nixl_layout(clean_environ) -> None:
+    top = _multi(_wrapped(_nixl()), _mooncake_store())
+    assert _layout_after_config(top, ["api_server"]) != "DS"
+    assert _layout_after_config(top, _argv(top)) == "DS"
+
+
+@pytestmark_cpu
+def test_a_python_launcher_prepares_the_same_layout(clean_environ) -> None:
+    wrapped = _wrapped(_nixl())
+    assert name_keyed.prepare_environment(wrapped) == {LAYOUT: "DS"}
+    _build(wrapped)
+    assert os.environ[LAYOUT] == "DS"
+    assert name_keyed.prepare_environment(wrapped) == {}  # set already: kept
+
+
+@pytestmark_cpu
+def test_wrapped_non_nixl_keeps_vllms_choice(clean_environ) -> None:
+    plain = _mooncake_store()
+    reference = _layout_after_config(plain, ["api_server"])
+    assert name_keyed.environment_from_argv(_argv(_wrapped(plain)), is_cpu=True) == {}
+    assert _layout_after_config(_wrapped(plain), _argv(_wrapped(plain))) == reference
+
+
+@pytestmark_cpu
+def test_an_explicit_layout_is_kept(clean_environ) -> None:
+    os.environ[LAYOUT] = "SD"
+    assert name_keyed.apply_early_environment(_argv(_wrapped(_nixl()))) == {}
+    _build(_wrapped(_nixl()))
+    assert os.environ[LAYOUT] == "SD"  # as vLLM keeps it for a plain NIXL
+
+
+def test_command_line_forms_and_platforms() -> None:
+    wrapped = json.dumps(_wrapped(_nixl()))
+    want = {LAYOUT: "DS"}
+    assert name_keyed.environment_from_argv(["x", f"--kv-transfer-config={wrapped}"], True) == want
+    assert name_keyed.environment_from_argv(["x", "--kv_transfer_config", wrapped], True) == want
+    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", wrapped], False) == {}
+    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", "{bad"], True) == {}
+    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config"], True) == {}
+    plain = json.dumps(_nixl())  # vLLM sees this one itself
+    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", plain], True) == {}
+
+
+def test_plugin_applies_the_command_line_layout(monkeypatch, clean_environ) -> None:
+    monkeypatch.setattr("sys.argv", _argv(_wrapped(_nixl())))
+    plugin.register()
+    assert os.environ.get(LAYOUT) == ("DS" if _compat.platform_is_cpu() else None)
+
+
+@pytest.fixture
+def layout(monkeypatch) -> Iterator[Any]:
+    """Set this process's conv-state layout (vLLM caches it at first use)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    def use(value: str) -> None:
+        monkeypatch.setenv(LAYOUT, value)
+        get_conv_state_layout.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    get_conv_state_layout.cache_clear()
+
+
+def _wrapper_config(plain: dict[str, Any], **kw: Any) -> VllmConfig:
+    wrapped = _wrapped(plain)
+    return make_vllm_config(
+        kv_connector=wrapped["kv_connector"],
+        kv_connector_module_path=wrapped["kv_connector_module_path"],
+        kv_role=wrapped["kv_role"],
+        kv_connector_extra_config=wrapped["kv_connector_extra_config"],
+        **kw,
+    )
+
+
+def _inner(vllm_config: VllmConfig) -> Any:
+    outer = vllm_config.kv_transfer_config
+    return inner_transfer_config(
+        outer, KVTailConfig.from_extra_config(outer.kv_connector_extra_config)
+    )
+
+
+@pytest.mark.parametrize("case", sorted(NIXL_CASES))
+def test_worker_refuses_a_layout_nixl_cannot_move(case, layout) -> None:
+    """Where the layout could not be applied early (Python API, config file),
+    the worker refuses before NIXL's assert, naming the variable."""
+    layout("SD")
+    vllm_config = _wrapper_config(NIXL_CASES[case], mamba_cache_mode="none")
+    hybrid = make_hybrid_mamba_kv_cache_config(block_size=16, num_blocks=8)
+    with pytest.raises(ValueError, match=f"Set {LAYOUT}=DS in the environment"):
+        KVTailConnector(vllm_config, KVConnectorRole.WORKER, hybrid)
+    layout("DS")
+    name_keyed.check_start_up(
+        vllm_config, _inner(vllm_config), "backend", has_mamba=True, is_worker=True
+    )
+    # Scheduler side and models without Mamba layers: no layout to check.
+    layout("SD")
+    name_keyed.check_start_up(
+        vllm_config, _inner(vllm_config), "backend", has_mamba=True, is_worker=False
+    )
+    name_keyed.check_start_up(
+        vllm_config, _inner(vllm_config), "backend", has_mamba=False, is_worker=True
+    )
+
+
+# ------------------------------------------------------------- routed experts
+
+
+def _vllm_refuses_routed_experts(plain_kv: dict[str, Any]) -> str | None:
+    """vLLM's own check (VllmConfig._verify_aux_output_compatibility) on the
+    plain connector; the fields it reads before the connector pass."""
+    from vllm.config import KVTransferConfig
+
+    fake = types.SimpleNamespace(
+        aux_output_config=types.SimpleNamespace(enabled=True),
+        use_v2_model_runner=True,
+        model_config=types.SimpleNamespace(runner_type="generate", is_moe=True),
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True),
+        speculative_config=None,
+        parallel_config=types.SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+        ),
+        kv_transfer_config=KVTransferConfig(**plain_kv),
+    )
+    try:
+        VllmConfig._verify_aux_output_compatibility(fake)  # type: ignore[arg-type]
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "plain",
+    [_nixl(), _nixl(name="NixlPushConnector"), _mooncake_store(), _multi(_nixl())],
+    ids=["nixl", "nixl_push", "mooncake_store", "multi_nixl"],
+)
+def test_routed_experts_refused_as_vllm_refuses_the_plain_connector(plain) -> None:
+    reference = _vllm_refuses_routed_experts(plain)
+    vllm_config = _wrapper_config(plain)
+    vllm_config.aux_output_config.enable_return_routed_experts = True
+    check = name_keyed.check_start_up
+    if reference is None:
+        check(vllm_config, _inner(vllm_config), "backend", has_mamba=False, is_worker=False)
+        return
+    with pytest.raises(ValueError) as info:
+        check(vllm_config, _inner(vllm_config), "backend", has_mamba=False, is_worker=False)
+    assert reference in str(info.value)
+    assert "Remove --enable-return-routed-experts" in str(info.value)
+
+
+# ----------------------------------------------------------------- NIXL + DCP
+
+
+def test_nixl_dcp_refused_as_vllm_refuses_plain_nixl() -> None:
+    words = "PD with decode_context_parallel_size > 1 is only supported for MLA models"
+    # vLLM asserts for NixlConnector by name (the tiny Llama is not MLA; pydantic
+    # reports the assert as a ValidationError, a ValueError)...
+    with pytest.raises(ValueError, match=words):
+        make_vllm_config(kv_connector="NixlConnector", dcp_size=8)
+    # ...not for the wrapper, which refuses with the same words.
+    vllm_config = _wrapper_config(_nixl(), dcp_size=8)
+    with pytest.raises(ValueError, match=words):
+        KVTailConnector(
+            vllm_config,
+            KVConnectorRole.SCHEDULER,
+            make_kv_cache_config(block_size=16, num_blocks=8),
+        )
+    # vLLM's rule is keyed on "NixlConnector" alone: a pull connector by its
+    # own name is not checked, plain or wrapped.
+    make_vllm_config(kv_connector="NixlPullConnector", dcp_size=8)
+    pull = _wrapper_config(_nixl(name="NixlPullConnector"), dcp_size=8)
+    name_keyed.check_start_up(pull, _inner(pull), "backend", has_mamba=False, is_worker=False)
+
+
+# ------------------------------------------------------------------- HiSparse
+
+
+@pytest.mark.parametrize(
+    "plain",
+    [
+        {"kv_connector": "HiSparseConnector", "kv_role": "kv_both"},
+        _multi({"kv_connector": "HiSparseConnector", "kv_role": "kv_both"}, _nixl()),
+    ],
+    ids=["hisparse", "multi_with_hisparse"],
+)
+def test_hisparse_inside_the_wrapper_is_refused(plain) -> None:
+    # vLLM turns HiSparse on for the name (and then refuses it off CUDA)...
+    with pytest.raises(ValueError, match="HiSparse"):
+        make_vllm_config(
+            kv_connector=plain["kv_connector"],
+            kv_role=plain["kv_role"],
+            kv_connector_extra_config=plain.get("kv_connector_extra_config"),
+        )
+    # ...but not behind the wrapper: HiSparse would silently stay off.
+    vllm_config = _wrapper_config(plain)
+    assert vllm_config.attention_config.hisparse_config is None
+    with pytest.raises(ValueError, match="HiSparseConnector cannot run behind KVTailConnector"):
+        name_keyed.check_start_up(
+            vllm_config, _inner(vllm_config), "backend", has_mamba=False, is_worker=False
+        )
+
+
+# ------------------------------------------------------- SimpleCPUOffload (0.33)
+
+
+def test_simple_cpu_offload_with_prefix_caching_refused_where_vllm_sizes_it_by_name() -> None:
+    plain = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both"}
+    vllm_config = _wrapper_config(plain, enable_prefix_caching=True)
+
+    def check(config: VllmConfig) -> None:
+        name_keyed.check_start_up(
+            config, _inner(config), "backend", has_mamba=False, is_worker=False
+        )
+
+    sized_by_name = any(r.key == "simple_cpu_offload" for r, _ in name_keyed.rules_for(RELEASE))
+    if sized_by_name:  # 0.33: v1/engine/core.py
+        with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+            check(vllm_config)
+    else:
+        check(vllm_config)
+    check(_wrapper_config(plain, enable_prefix_caching=False))
