@@ -266,9 +266,12 @@ SCALARS = (
 )
 JSON = st.recursive(
     SCALARS,
-    lambda children: st.lists(children, max_size=40).map(CountingList)
-    | st.dictionaries(st.text(max_size=12) | st.sampled_from(list("0123")), children, max_size=12)
-    .map(CountingDict),
+    lambda children: (
+        st.lists(children, max_size=40).map(CountingList)
+        | st.dictionaries(
+            st.text(max_size=12) | st.sampled_from(list("0123")), children, max_size=12
+        ).map(CountingDict)
+    ),
     max_leaves=400,
 )
 PATHS = [
@@ -329,7 +332,9 @@ def test_any_field_of_a_valid_entry_replaced_reads_without_raising(path, value, 
 def test_an_oversized_entry_is_refused_before_any_parse(size, kind, monkeypatch_parse):
     base = entry.measure(_digested(), 10**9)
     assert base is not None
-    pad = CountingList([0] * size) if kind == "list" else CountingDict({str(i): 0 for i in range(size)})
+    pad: Any = CountingList([0] * size)
+    if kind == "dict":
+        pad = CountingDict({str(i): 0 for i in range(size)})
     wire = _edited(("pad",), pad, _digested())
     VISITS[0] = 0
     monkeypatch_parse.clear()
