@@ -50,7 +50,7 @@ class TailPolicy:
             share of a launch D makes anyway).
         trust_read_claims: skip a MoRIIO READ's tail zeroing on a bound,
             matching claim (``trust``, or ``auto`` where READ tails are zeroed
-            per layer: 1.5-2.1 ms per step saved).
+            per layer: 1.1-2.1 ms per step saved (benchmarks/RESULTS.md)).
         digest_prompts: as a producer, digest each remote-decode prompt's KV
             in ``producer_hook`` and send the sums in its ``kvtail`` entry
             (``verify_kv: digest``).
