@@ -385,3 +385,21 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
     b = DigestPart("mix64-1", 1024, "b" * 16, {0: {1: (2,)}})
     assert a.merged(b).digest() is None
     assert a.merged(DigestPart("mix64-1", 1024, "a" * 16, {0: {1: (2,)}})).digest() is not None
+
+
+# ------------------------------------------------------------ the shared key
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_with_a_key_only_a_signed_digest_is_used(sent, signed, monkeypatch):
+    monkeypatch.setenv("KVTAIL_TEST_KEY", "the shared key")
+    if signed:
+        p = producer(entry_key_env="KVTAIL_TEST_KEY")
+        fill(p, seed=1)
+        sent = (p, prefill(p))
+        assert "mac" in sent[1][entry.KEY]
+    d, outputs = consume(sent, sent[1][entry.KEY], entry_key_env="KVTAIL_TEST_KEY")
+    assert d.stats["digests_verified"] == (1 if signed else 0)
+    assert d.stats["digests_skipped"] == (0 if signed else 1)
+    assert d.stats["failed_loads"] == 0
+    assert outputs["c1"].finish_reason == FinishReason.LENGTH
