@@ -190,7 +190,7 @@ class TailScheduler:
             self._stats.add("digests_skipped", 1)  # no group a digest covers
         if record is not None:
             if self._policy.zero_tails and self._claim_used(
-                request, claim, record.num_loaded, self._policy.trust_load_claims
+                request, claim, record, self._policy.trust_load_claims
             ):
                 record = dataclasses.replace(record, vouched=True)
             if expected is not None:
@@ -472,17 +472,22 @@ class TailScheduler:
         self._stats.add("vouches_declined", 1)
         logger.debug("kvtail: %s: producer claim declined (%s)", request.request_id, why)
 
-    def _claim_used(self, request: Any, claim: int | None, zero_from: int, trusted: bool) -> bool:
-        """Whether a claim lets this consumer skip the tail it would zero from
-        token ``zero_from``: the claim's clean tail starts there and claims
-        are trusted on this path (else counted ``vouches_unused``)."""
+    def _claim_used(
+        self, request: Any, claim: int | None, record: LoadRecord, trusted: bool
+    ) -> bool:
+        """Whether a claim lets this consumer skip the tail of ``record`` (zeroed
+        from token ``record.num_loaded``): the claim's clean tail starts there
+        and claims are trusted on this path. A matching claim over a tail this
+        consumer zeroes anyway is counted ``vouches_unused`` (as
+        ``vouched_tails``, only where there is a tail)."""
         if claim is None:
             return False
-        if claim != zero_from:
-            self._decline(request, f"claim for {claim} tokens, load of {zero_from}")
+        if claim != record.num_loaded:
+            self._decline(request, f"claim for {claim} tokens, load of {record.num_loaded}")
             return False
         if not trusted:
-            self._stats.add("vouches_unused", 1)
+            if any(self._tail_index(record.num_loaded, g.group) is not None for g in record.groups):
+                self._stats.add("vouches_unused", 1)
             return False
         return True
 
@@ -537,7 +542,7 @@ class TailScheduler:
                 for load in record.groups
                 if (k := self._tail_index(record.num_loaded, load.group)) is not None
             ):
-                if self._claim_used(request, claim, valid, self._policy.trust_read_claims):
+                if self._claim_used(request, claim, record, self._policy.trust_read_claims):
                     record = dataclasses.replace(record, vouched=True)
                 records.append(record)
         self._pending_reads.clear()

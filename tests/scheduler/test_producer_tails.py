@@ -489,3 +489,17 @@ def test_vouch_tails_off_on_the_consumer_checks_nothing(sent):
     assert [r.vouched for r in h.records()] == [False]
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
     assert h.stats["vouches_unused"] == 0 and h.stats["vouches_declined"] == 0
+
+
+def test_a_block_aligned_load_has_no_tail_to_count_a_claim_for():
+    # vouches_unused, like vouched_tails, counts tails: a block-aligned load has
+    # none (its record exists only to zero a failed load's blocks).
+    params = prefill_leg(producer(), "p1", 48)
+    h = Harness("always")
+    h.add("c1", 48, double_load_tokens=48, **routed(params))
+    h.step()
+    h.land("c1", 0, 0, 48)
+    h.finish()
+    assert len(h.records()) == 1  # recorded (zero_failed_loads), nothing to zero
+    assert h.stats["vouches_unused"] == 0 and h.stats["vouches_declined"] == 0
+    assert h.stats["tails_zeroed"] == 0 and h.stats["vouched_tails"] == 0
