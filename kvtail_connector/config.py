@@ -7,6 +7,7 @@ re-reads the user's dict, and nothing writes to it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ from pydantic import (
 )
 
 PREFIX = "kv_connector_extra_config"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 _FIELD_HELP = {
     "backend": 'the connector to wrap, e.g. "NixlConnector", "MooncakeStoreConnector" or '
@@ -29,8 +31,11 @@ _FIELD_HELP = {
     "backend_extra_config": "a JSON object passed to the backend as its kv_connector_extra_config",
     "zero_tails": 'one of "auto" (zero when vLLM zeroes new blocks), "always" or "off"',
     "probe_stale_tails": "true or false (a JSON boolean, not a string or a number)",
-    "vouch_tails": 'one of "auto" (producers zero and vouch for their prompt tails, consumers '
-    'trust a matching claim) or "off"',
+    "vouch_tails": 'one of "auto" (producers zero and vouch for their prompt tails; consumers '
+    'check claims and skip only per-layer MoRIIO READ tails), "trust" (consumers skip every '
+    'tail a bound claim covers) or "off"',
+    "entry_key_env": "the NAME of an environment variable holding the shared key (never the "
+    "key itself), e.g. KVTAIL_ENTRY_KEY",
     "verify_kv": 'one of "off" or "digest" (producers send a digest of each remote-decode '
     "prompt's KV, consumers check what they loaded and report a mismatch as a failed load)",
 }
@@ -63,12 +68,21 @@ class KVTailConfig(BaseModel):
             consumer it also checks the tails a producer vouched for (the
             canary: non-zero bytes there are zeroed and counted as
             ``false_vouches``).
-        vouch_tails: ``auto``: a producer whose transfer carries its whole
-            blocks (NIXL, MoRIIO READ) zeroes the slots past each remote-decode
-            prompt in its last block and adds a ``kvtail`` entry saying so to
-            the request's ``kv_transfer_params``; a consumer that gets a valid
-            entry with its own geometry skips that request's tail zeroing.
-            ``off``: neither (a consumer then zeroes as if no entry came).
+        vouch_tails: ``auto`` (the default): a producer whose transfer
+            carries its whole blocks (NIXL, MoRIIO READ) zeroes the slots past
+            each remote-decode prompt in its last block and adds a ``kvtail``
+            entry saying so to the request's ``kv_transfer_params``; a
+            consumer checks the claim (counted) but still zeroes every async
+            load's tail itself, and skips only MoRIIO READ tails zeroed per
+            layer (vLLM 0.32), where skipping saves milliseconds per step.
+            ``trust``: the same, and a consumer skips every tail a bound
+            claim for its geometry and length covers. ``off``: neither (a
+            consumer then zeroes as if no entry came).
+        entry_key_env: the name of an environment variable holding a key
+            shared by producers and consumers (read once at start-up; named
+            but unset or empty is refused). A producer then adds an
+            HMAC-SHA256 to its entry; a consumer trusts and uses only entries
+            whose HMAC verifies. None (the default): no key.
         verify_kv: ``digest``: a producer digests each remote-decode prompt's
             KV in the step that completes it (per KV cache group, global KV
             head and token segment) and adds the sums to its ``kvtail`` entry;
@@ -87,7 +101,8 @@ class KVTailConfig(BaseModel):
     zero_tails: Literal["auto", "always", "off"] = "auto"
     # Strict: "yes", "false" or 1 would otherwise parse as booleans.
     probe_stale_tails: StrictBool = False
-    vouch_tails: Literal["auto", "off"] = "auto"
+    vouch_tails: Literal["auto", "trust", "off"] = "auto"
+    entry_key_env: str | None = None
     verify_kv: Literal["off", "digest"] = "off"
 
     @field_validator("backend", "backend_module_path")
@@ -100,6 +115,16 @@ class KVTailConfig(BaseModel):
         value = value.strip()
         if not value:
             raise ValueError(f"must not be blank; expected {_FIELD_HELP[str(info.field_name)]}")
+        return value
+
+    @field_validator("entry_key_env")
+    @classmethod
+    def _variable_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not an environment variable name; expected "
+                f"{_FIELD_HELP['entry_key_env']}"
+            )
         return value
 
     @classmethod

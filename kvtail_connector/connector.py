@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, entry, inner_connector, name_keyed
+from kvtail_connector import _compat, entry, inner_connector, name_keyed, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
 from kvtail_connector.kv_digests import HeadPlacement
@@ -63,8 +63,12 @@ def _vouch_summary(policy: Any) -> str:
     parts = []
     if policy.vouch_tails:
         parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
-    if policy.trust_vouched:
-        parts.append("trusting matching producer claims")
+    if policy.trust_load_claims:
+        parts.append("trusting bound producer claims")
+    elif policy.trust_read_claims:
+        parts.append("trusting bound producer claims on per-layer READ tails only")
+    elif policy.check_claims:
+        parts.append("checking producer claims, zeroing every tail")
     return ", ".join(parts) or "no claims made or trusted"
 
 
@@ -94,6 +98,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert vllm_config.kv_transfer_config is not None, "checked by the base class"
         inner_cls, inner_ktc, cfg = _inner_class(vllm_config.kv_transfer_config)
         self._cfg = cfg
+        entry_key = trust.key_from_env(cfg.entry_key_env)  # refused here when named but unset
         inner_config = inner_connector.inner_vllm_config(vllm_config, cfg)
         # A MultiConnector backend: each child gets its own adapter, at its index.
         children = inner_connector.children_of(inner_cls, inner_ktc)
@@ -170,6 +175,13 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self._stats,
                 geometry=geometry,
                 num_workers=_compat.worker_count(parallel),
+                limits=entry.Limits(
+                    max_tokens=int(vllm_config.model_config.max_model_len),
+                    num_groups=len(kv_cache_config.kv_cache_groups),
+                    num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
+                ),
+                min_block_size=min((int(s.block_size) for s in specs), default=16),
+                key=entry_key,
             )
         else:
             placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
@@ -447,7 +459,22 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         scheduler = self._scheduler
         assert scheduler is not None, "scheduler-side hook"
+        try:
+            # Before the inner update, which may rewrite what the entry's
+            # binding covers (NIXL push seeds remote_block_ids there).
+            scheduler.read_entry(request, num_external_tokens)
+            read = True
+        except Exception as exc:
+            read = False
+            self._guard.failed(
+                exc,
+                "update_state_after_alloc",
+                (request.request_id,),
+                lambda: scheduler.contain_alloc(request),
+            )
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        if not read:
+            return
         try:
             scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:

@@ -1,51 +1,122 @@
-"""The ``kvtail`` entry of ``kv_transfer_params``: what a producer (P) guarantees.
+"""The ``kvtail`` entry of ``kv_transfer_params``: what a producer (P) states.
 
 P's wrapper adds it to the params its ``request_finished`` returns; the router
 copies the params into the decode request, where the consumer's (D's) wrapper
 reads it. A plain vLLM D ignores the key.
 
-Wire format (JSON; :data:`VERSION` 1)::
+The entry is untrusted input: any client of D's OpenAI server can set
+``kv_transfer_params``, and it is read inside vLLM's engine core. It is read
+by one typed, bounded model (:func:`read`): a size walk with an early exit
+first (so that no entry costs more to refuse than the largest clean one costs
+to read), then strict pydantic models whose bounds come from D's own model
+(:class:`Limits`). :func:`read` never raises.
 
-    "kvtail": {"v": 1, "n": 4753,
+Wire format (JSON; :data:`VERSION` 2)::
+
+    "kvtail": {"v": 2, "pv": "0.2.0", "n": 4753,
                "geom": {"bs": [16], "dcp": 1, "ilv": 1, "sig": "<16 hex>"},
+               "bind": "<32 hex>",
                "tail": "zero",
                "dg": {"alg": "mix64-1", "seg": 1024, "sig": "<16 hex>",
-                      "g": {"0": {"0": ["<16 hex>", ...], ...}}}}
+                      "g": {"0": {"0": ["<16 hex>", ...], ...}}},
+               "mac": "<64 hex>"}
 
-- ``v`` is an integer. Within a version keys are only ever added, never
-  changed in meaning; a reader ignores keys it does not know, and treats an
-  unknown ``v`` as no entry at all.
-- ``n``: the prompt tokens P's KV holds; ``geom``: the geometry the claim
-  holds for (rank-local block size of every KV cache group with token tails,
-  in group order; DCP size and interleave; a signature of those groups'
-  specs); ``tail: "zero"``: every slot past ``n`` in the block holding token
-  ``n - 1`` is zero on every rank and group of P. ``tail`` is absent where P
-  does not vouch for its tail.
-- ``dg`` (added within version 1; ``verify_kv: digest``): the KV digest of
-  tokens ``[0, n)``: algorithm ``alg`` (versioned on its own, see
-  ``ops/digest_reference.py``), tokens per segment ``seg``, a signature
-  ``sig`` of what the sums are keyed on (groups, layers, slot words), and per
-  KV cache group and global KV head the sum of each segment, as 16 hex digits
-  (u64 values lose precision as JSON numbers in JavaScript proxies). A reader
-  that cannot parse ``dg`` ignores it and keeps the rest of the entry.
+- ``v``: an integer. Within a version keys are only ever added, never
+  changed in meaning; a reader ignores keys it does not know. A consumer that
+  does not know ``v`` behaves exactly as without an entry. Version 1 (no
+  ``pv``, ``bind`` or ``mac``) was written only by kvtail-connector 0.1.0, a
+  producer listed in :data:`KNOWN_WRONG_PRODUCERS`: refused.
+- ``pv``: the producer's package version (``kvtail_connector.__version__``);
+  a consumer refuses producers listed in :data:`KNOWN_WRONG_PRODUCERS`.
+- ``n``: the prompt tokens P's KV holds, ``1 <= n <= max_model_len`` of D.
+- ``geom``: the geometry the claim holds for (rank-local block size of every
+  KV cache group with token tails, in group order, at most one per KV cache
+  group of D; DCP size and interleave; a signature of those groups' specs).
+- ``bind``: what identifies this transfer in the params P's inner connector
+  returned (:func:`kvtail_connector.trust.binding`): D trusts and uses the
+  entry only with the params whose binding it matches.
+- ``tail: "zero"``: every slot past ``n`` in the block holding token
+  ``n - 1`` is zero on every rank and group of P. Absent where P does not
+  vouch for its tail.
+- ``dg`` (``verify_kv: digest``): the KV digest of tokens ``[0, n)``:
+  algorithm ``alg`` (versioned on its own, see ``ops/digest_reference.py``),
+  tokens per segment ``seg`` (exactly :func:`segment_for` ``(n)``), a
+  signature ``sig`` of what the sums are keyed on, and per KV cache group
+  (``< `` D's groups) and global KV head (``<`` D's KV heads) the sum of each
+  of the ``ceil(n / seg)`` segments, as 16 hex digits (u64 values lose
+  precision as JSON numbers in JavaScript proxies). A ``dg`` outside the
+  model is ignored; the rest of the entry is kept.
+- ``mac``: HMAC-SHA256 of the entry without ``mac``
+  (:func:`canonical`), with the key both sides share (``entry_key_env``);
+  absent without a key.
 
 This module only builds and reads the entry; who trusts it and when is the
-consumer's business (see ``TailScheduler``).
+consumer's business (:mod:`kvtail_connector.trust`, ``TailScheduler``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from kvtail_connector._version import __version__
 
 KEY = "kvtail"
-VERSION = 1
+VERSION = 2
 TAIL_ZERO = "zero"
 # A digest covers at most this many segments; more would make the entry big.
 MAX_SEGMENTS = 32
 MIN_SEGMENT = 256
+
+# Producer versions whose entries a consumer refuses, with the reason. Entries
+# of version 1 carry no producer version; only 0.1.0 wrote them.
+KNOWN_WRONG_PRODUCERS: dict[str, str] = {
+    "0.1.0": (
+        "claims could cover a NIXL host buffer (kv_buffer_device cpu: blocks copied to the "
+        "host when allocated, before the tail was zeroed) and a request preempted after its "
+        "tail was zeroed; fixed in 100ef34 (0.2.0), but a 0.1.0 entry cannot say whether its "
+        "producer had the fix"
+    ),
+}
+_LEGACY_PRODUCER = {1: "0.1.0"}  # entry version -> the only producer that wrote it
+
+# Shape caps that do not depend on D's model (the rest are in Limits).
+MAX_STRING = 256  # longest string anywhere in an entry (keys included)
+MAX_DEPTH = 8  # a clean entry nests 5 deep (entry, dg, g, group, head row)
+_SLACK_NODES = 64  # keys a later release may add within a version
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What an entry can hold on this consumer, from its own model.
+
+    Attributes:
+        max_tokens: the longest prompt D can load (its ``max_model_len``).
+        num_groups: D's KV cache groups (``geom.bs`` entries and digest
+            group keys are bounded by it).
+        num_kv_heads: the model's KV heads over all ranks (1 for MLA): digest
+            head keys are below it.
+    """
+
+    max_tokens: int
+    num_groups: int
+    num_kv_heads: int
+
+    @property
+    def max_nodes(self) -> int:
+        """Values (dicts, lists, scalars) in the largest clean entry, and slack:
+        the size walk stops past it, before any parse."""
+        rows = self.num_groups * (1 + self.num_kv_heads * (1 + MAX_SEGMENTS))
+        return 1 + 12 + (1 + 4 + self.num_groups) + (1 + 4 + 1 + rows) + _SLACK_NODES
+
+
+# A cap no clean entry reaches on any model, for readers without D's model.
+UNBOUNDED = Limits(max_tokens=1 << 24, num_groups=8, num_kv_heads=128)
 
 
 @dataclass(frozen=True)
@@ -102,7 +173,7 @@ class Digest:
 
     Attributes:
         algorithm: the digest's own version (``mix64-1``).
-        segment: tokens per segment, a power of two >= :data:`MIN_SEGMENT`.
+        segment: tokens per segment (:func:`segment_for` of the prompt).
         signature: 16 hex digits over what the sums are keyed on; a consumer
             compares only sums made with its own.
         sums: group -> global KV head -> the sum of each segment.
@@ -136,96 +207,213 @@ def segment_for(num_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Entry:
-    """A parsed ``kvtail`` entry (:data:`VERSION`)."""
+    """A parsed ``kvtail`` entry (:data:`VERSION`).
+
+    ``binding`` and ``mac`` are None where P had none to give (no transfer
+    identity in its params; no shared key)."""
 
     num_tokens: int
     geometry: Geometry
     tail_zero: bool
     digest: Digest | None = None
+    producer_version: str = __version__
+    binding: str | None = None
+    mac: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"v": VERSION, "n": self.num_tokens, "geom": self.geometry.to_json()}
+        out: dict[str, Any] = {
+            "v": VERSION,
+            "pv": self.producer_version,
+            "n": self.num_tokens,
+            "geom": self.geometry.to_json(),
+        }
+        if self.binding is not None:
+            out["bind"] = self.binding
         if self.tail_zero:
             out["tail"] = TAIL_ZERO
         if self.digest is not None:
             out["dg"] = self.digest.to_json()
+        if self.mac is not None:
+            out["mac"] = self.mac
         return out
 
 
-def read(params: Mapping[str, Any] | None) -> tuple[Entry | None, str]:
-    """The entry in ``params`` and why there is none: ``(entry, "ok")``, or
-    ``(None, reason)`` with reason ``"absent"``, ``"unknown version"`` or
-    ``"malformed"``. Never raises: the params come from the network."""
+def canonical(raw: Mapping[str, Any]) -> bytes | None:
+    """The bytes an entry's ``mac`` is made over: the entry without ``mac``,
+    as sorted, compact, ASCII JSON; None where it is not JSON (only a hostile
+    in-process caller could pass that)."""
+    try:
+        text = json.dumps(
+            {k: v for k, v in raw.items() if k != "mac"},
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return text.encode("ascii")
+
+
+# ----------------------------------------------------------------- the reader
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What :func:`read` found.
+
+    Attributes:
+        entry: the entry, or None (then ``why`` says why).
+        why: ``"ok"``, ``"absent"``, ``"unknown version"``, ``"too large"``,
+            ``"malformed"`` or ``"known-wrong producer <version>"``.
+        digest_why: about ``entry.digest``: ``"ok"``, ``"absent"``,
+            ``"not read"`` (not asked for) or ``"malformed"``.
+        raw: the entry as it came (for :func:`canonical`), when read.
+    """
+
+    entry: Entry | None
+    why: str
+    digest_why: str = "absent"
+    raw: Mapping[str, Any] | None = None
+
+
+_Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+_HexU64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{16}$")]
+_Key = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+_Count = Annotated[int, Field(ge=1, le=1 << 24)]
+_STRICT = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class _WireGeometry(BaseModel):
+    model_config = _STRICT
+
+    bs: list[_Count]
+    dcp: _Count
+    ilv: _Count
+    sig: _Hex16
+
+
+class _WireEntry(BaseModel):
+    model_config = _STRICT
+
+    v: int
+    pv: Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z.+!_-]{1,32}$")]
+    n: _Count
+    geom: _WireGeometry
+    bind: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
+    tail: Annotated[str, StringConstraints(max_length=16)] | None = None
+    mac: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class _WireDigest(BaseModel):
+    model_config = _STRICT
+
+    alg: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    seg: _Count
+    sig: _Hex16
+    g: dict[_Key, dict[_Key, list[_HexU64]]]
+
+
+def measure(raw: Any, max_nodes: int) -> int | None:
+    """Values in ``raw`` (dicts, lists and scalars; keys are checked with
+    their dict), or None as soon as it holds more than ``max_nodes``, nests
+    deeper than :data:`MAX_DEPTH`, holds a string longer than
+    :data:`MAX_STRING`, an integer past 64 bits, or anything but JSON values.
+    Visits at most ``max_nodes + 1`` values whatever ``raw`` is."""
+    seen = 0
+    stack: list[tuple[Any, int]] = [(raw, 0)]
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > max_nodes or depth > MAX_DEPTH:
+            return None
+        if isinstance(node, dict):
+            if len(node) > max_nodes - seen:
+                return None
+            for key, value in node.items():
+                if not isinstance(key, str) or len(key) > MAX_STRING:
+                    return None
+                stack.append((value, depth + 1))
+        elif isinstance(node, list | tuple):
+            if len(node) > max_nodes - seen:
+                return None
+            stack.extend((value, depth + 1) for value in node)
+        elif isinstance(node, str):
+            if len(node) > MAX_STRING:
+                return None
+        elif isinstance(node, int):  # bool included
+            if node.bit_length() > 64:
+                return None
+        elif node is not None and not isinstance(node, float):
+            return None
+    return seen
+
+
+def read(
+    params: Mapping[str, Any] | None, limits: Limits = UNBOUNDED, *, digest: bool = True
+) -> Reading:
+    """The entry in ``params``, bounded by ``limits``; with ``digest`` its
+    ``dg`` too. Never raises: the params come from the network. Costs at most
+    a walk of ``limits.max_nodes`` values and one strict parse of what
+    passed it."""
     raw = params.get(KEY) if isinstance(params, Mapping) else None
     if raw is None:
+        return Reading(None, "absent")
+    if not isinstance(raw, dict):
+        return Reading(None, "malformed")
+    version = raw.get("v")
+    if type(version) is not int or version != VERSION:
+        legacy = _LEGACY_PRODUCER.get(version) if type(version) is int else None
+        if legacy is not None:
+            return Reading(None, f"known-wrong producer {legacy}")
+        return Reading(None, "unknown version")
+    if measure(raw, limits.max_nodes) is None:
+        return Reading(None, "too large")
+    try:
+        wire = _WireEntry.model_validate(raw)
+    except ValidationError:
+        return Reading(None, "malformed")
+    if wire.pv in KNOWN_WRONG_PRODUCERS:
+        return Reading(None, f"known-wrong producer {wire.pv}")
+    if wire.n > limits.max_tokens or len(wire.geom.bs) > limits.num_groups:
+        return Reading(None, "malformed")
+    found_digest, digest_why = None, "not read"
+    if digest:
+        found_digest, digest_why = _read_digest(raw.get("dg"), wire.n, limits)
+    found = Entry(
+        num_tokens=wire.n,
+        geometry=Geometry(tuple(wire.geom.bs), wire.geom.dcp, wire.geom.ilv, wire.geom.sig),
+        tail_zero=wire.tail == TAIL_ZERO,
+        digest=found_digest,
+        producer_version=wire.pv,
+        binding=wire.bind,
+        mac=wire.mac,
+    )
+    return Reading(found, "ok", digest_why, raw)
+
+
+def _read_digest(raw: Any, num_tokens: int, limits: Limits) -> tuple[Digest | None, str]:
+    """An entry's ``dg`` for a prompt of ``num_tokens``: the segment P must
+    have chosen, ``ceil(n / seg)`` sums per head, D's groups and heads only."""
+    if raw is None:
         return None, "absent"
-    if not isinstance(raw, Mapping):
-        return None, "malformed"
-    if type(raw.get("v")) is not int or raw.get("v") != VERSION:
-        return None, "unknown version"
     try:
-        geom = raw["geom"]
-        sizes = tuple(_int(b) for b in geom["bs"])
-        entry = Entry(
-            num_tokens=_int(raw["n"]),
-            geometry=Geometry(sizes, _int(geom["dcp"]), _int(geom["ilv"]), _str(geom["sig"])),
-            tail_zero=raw.get("tail") == TAIL_ZERO,
-            digest=read_digest(raw.get("dg")),
-        )
-    except (KeyError, TypeError, ValueError):
+        wire = _WireDigest.model_validate(raw)
+    except ValidationError:
         return None, "malformed"
-    return entry, "ok"
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"not a string: {value!r}")
-    return value
-
-
-def read_digest(raw: Any) -> Digest | None:
-    """The :class:`Digest` in an entry's ``dg``, or None where it is absent or
-    malformed in any way (never raises: it comes from the network)."""
-    if not isinstance(raw, Mapping):
-        return None
-    try:
-        algorithm, signature, groups = raw["alg"], raw["sig"], raw["g"]
-        segment = _int(raw["seg"])
-        if not isinstance(algorithm, str) or not isinstance(signature, str):
-            return None
-        if segment < MIN_SEGMENT or segment & (segment - 1) or not isinstance(groups, Mapping):
-            return None
-        sums: Sums = {}
-        for g, heads in groups.items():
-            if not isinstance(heads, Mapping):
-                return None
-            per_head: dict[int, tuple[int, ...]] = {}
-            for h, row in heads.items():
-                if not isinstance(row, list) or len(row) > MAX_SEGMENTS:
-                    return None
-                per_head[_key(h)] = tuple(_hex64(v) for v in row)
-            sums[_key(g)] = per_head
-    except (KeyError, TypeError, ValueError):
-        return None
-    return Digest(algorithm, segment, signature, sums)
-
-
-def _key(value: Any) -> int:
-    if not isinstance(value, str) or not value.isdigit() or len(value) > 9:
-        raise ValueError(f"not a decimal key: {value!r}")
-    return int(value)
-
-
-_HEX = frozenset("0123456789abcdefABCDEF")
-
-
-def _hex64(value: Any) -> int:
-    if not isinstance(value, str) or len(value) != 16 or not _HEX.issuperset(value):
-        raise ValueError(f"not 16 hex digits: {value!r}")
-    return int(value, 16)
-
-
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"not a non-negative integer: {value!r}")
-    return value
+    if wire.seg != segment_for(num_tokens):
+        return None, "malformed"
+    segments = -(-num_tokens // wire.seg)
+    sums: Sums = {}
+    for g, heads in wire.g.items():
+        group = int(g)
+        if group >= limits.num_groups:
+            return None, "malformed"
+        per_head: dict[int, tuple[int, ...]] = {}
+        for h, row in heads.items():
+            head = int(h)
+            if head >= limits.num_kv_heads or len(row) != segments:
+                return None, "malformed"
+            per_head[head] = tuple(int(v, 16) for v in row)
+        sums[group] = per_head
+    return Digest(wire.alg, wire.seg, wire.sig, sums), "ok"

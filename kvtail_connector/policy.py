@@ -42,8 +42,15 @@ class TailPolicy:
         producer_hook: the worker hook that zeroes those tails: the first one
             ordered after the step's last KV write and before the step's
             output leaves the worker (None when not vouching).
-        trust_vouched: as a consumer, skip the tails a producer vouched for
-            (when its entry's geometry and length match the load).
+        check_claims: as a consumer, read producers' claims (counted as
+            ``vouches_unused``, ``vouches_declined`` or, where skipped,
+            ``vouched_tails``).
+        trust_load_claims: skip an async load's tail zeroing on a bound,
+            matching claim (``vouch_tails: trust`` only: the saving is a
+            share of a launch D makes anyway).
+        trust_read_claims: skip a MoRIIO READ's tail zeroing on a bound,
+            matching claim (``trust``, or ``auto`` where READ tails are zeroed
+            per layer: 1.1-2.1 ms per step saved (benchmarks/RESULTS.md)).
         digest_prompts: as a producer, digest each remote-decode prompt's KV
             in ``producer_hook`` and send the sums in its ``kvtail`` entry
             (``verify_kv: digest``).
@@ -61,7 +68,9 @@ class TailPolicy:
     probe: bool
     vouch_tails: bool = False
     producer_hook: ProducerHook | None = None
-    trust_vouched: bool = False
+    check_claims: bool = False
+    trust_load_claims: bool = False
+    trust_read_claims: bool = False
     digest_prompts: bool = False
     verify_loads: bool = False
 
@@ -76,6 +85,11 @@ class TailPolicy:
             or self.digest_prompts
             or self.verify_loads
         )
+
+    @property
+    def trust_vouched(self) -> bool:
+        """Some claim can make this consumer skip a zeroing."""
+        return self.trust_load_claims or self.trust_read_claims
 
     @property
     def reports_worker_meta(self) -> bool:
@@ -199,7 +213,7 @@ def resolve_policy(
     # Tails matter wherever this config has a consumer zero them (tails or READ
     # tails): the producer runs the same model and settings.
     vouch = (
-        cfg.vouch_tails == "auto"
+        cfg.vouch_tails != "off"
         and is_producer
         and carries_producer_tail
         and producer_hook is not None
@@ -215,6 +229,8 @@ def resolve_policy(
         dcp_world_size=dcp_world_size,
         pipeline_parallel_size=pipeline_parallel_size,
     )
+    check = cfg.vouch_tails != "off" and is_consumer and carries_producer_tail
+    by_layer = zero_reads and reads_may_land_per_layer
     return TailPolicy(
         zero_tails=zero,
         zero_failed_loads=zero_failed,
@@ -222,7 +238,7 @@ def resolve_policy(
         zero_read_tails=zero_reads,
         # vLLM filters Mamba hybrids itself (their attention group only).
         exclude_reads=sync_read and needs_zeroing and not has_mamba,
-        read_tails_by_layer=zero_reads and reads_may_land_per_layer,
+        read_tails_by_layer=by_layer,
         # Neither runner orders every completion after the zeroing launched
         # with it (V2's post_forward, V1's no-forward steps); only transfers
         # started past the fence can overtake it.
@@ -230,7 +246,9 @@ def resolve_policy(
         probe=cfg.probe_stale_tails,
         vouch_tails=vouch,
         producer_hook=producer_hook if vouch or digest else None,
-        trust_vouched=cfg.vouch_tails == "auto" and is_consumer and carries_producer_tail,
+        check_claims=check,
+        trust_load_claims=check and cfg.vouch_tails == "trust",
+        trust_read_claims=check and (cfg.vouch_tails == "trust" or by_layer),
         digest_prompts=digest,
         verify_loads=verify,
     )

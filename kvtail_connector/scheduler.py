@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvtail_connector import _compat, entry
+from kvtail_connector import _compat, entry, trust
+from kvtail_connector._version import __version__
 from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.containment import mark_inner
 from kvtail_connector.kvgroups import GroupInfo
@@ -61,6 +62,10 @@ class TailScheduler:
             made for the same).
         num_workers: workers whose outputs vLLM aggregates per step (each
             must confirm a producer tail).
+        limits: what a ``kvtail`` entry can hold on this engine (its model).
+        min_block_size: the smallest block size of this engine's KV cache
+            groups (bounds the block ids a transfer's binding can hold).
+        key: the shared entry key (``entry_key_env``), or None.
     """
 
     def __init__(
@@ -73,6 +78,9 @@ class TailScheduler:
         stats: KVTailStats,
         geometry: entry.Geometry | None = None,
         num_workers: int = 1,
+        limits: entry.Limits = entry.UNBOUNDED,
+        min_block_size: int = 16,
+        key: bytes | None = None,
     ) -> None:
         self._inner = inner
         self._groups = groups
@@ -81,6 +89,11 @@ class TailScheduler:
         self._stats = stats
         self._geometry = geometry
         self._num_workers = num_workers
+        self._limits = limits
+        # A producer of a smaller block size (NIXL maps block size ratios)
+        # sends up to 4x the block ids D's own would have.
+        self._binding_nodes = trust.binding_nodes(limits, max(1, min_block_size // 4))
+        self._key = key
         self._kv_cache_manager: Any = None
         # Producer: remote-decode requests from arrival to finish; the prompt
         # length of those whose tail record shipped; the params of those that
@@ -99,10 +112,13 @@ class TailScheduler:
         # req_id -> (local computed tokens, load is async) from the latest
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
         self._matched: dict[str, tuple[int, bool]] = {}
+        # req_id -> (claim, expected digest) read by read_entry, taken at alloc.
+        self._entries: dict[str, tuple[int | None, ExpectedDigest | None]] = {}
         self._pending: list[LoadRecord] = []
-        # READ loads allocated this step: (request, blocks, local, loaded). Their
-        # records wait for build_connector_meta, which knows the step's tokens.
-        self._pending_reads: list[tuple[Any, Any, int, int]] = []
+        # READ loads allocated this step: (request, blocks, local, loaded, the
+        # prompt length a bound producer claim covers or None). Their records
+        # wait for build_connector_meta, which knows the step's tokens.
+        self._pending_reads: list[tuple[Any, Any, int, int, int | None]] = []
         # Every async load until vLLM reports it finished: the blocks it
         # writes (to map invalid block ids to requests), and whether its
         # failure was counted already (errors may precede the completion).
@@ -143,9 +159,29 @@ class TailScheduler:
         else:
             self._matched.pop(request.request_id, None)
 
+    def read_entry(self, request: Any, num_external_tokens: int) -> None:
+        """Before the inner ``update_state_after_alloc`` (the facade calls this
+        first): read the producer's entry once per allocation, only for the
+        features that are on, while the params still hold what its binding
+        covers (NIXL push seeds ``remote_block_ids`` in the inner update)."""
+        matched = self._matched.get(request.request_id)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        load_async = matched[1]
+        claims = self._policy.check_claims and (
+            self._policy.zero_tails if load_async else self._policy.zero_read_tails
+        )
+        digest = load_async and self._policy.verify_loads
+        if claims or digest:
+            self._entries[request.request_id] = self._read_entry(
+                request, claims=claims, digest=digest
+            )
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """After the inner ``update_state_after_alloc`` (called by the facade)."""
+        """After the inner ``update_state_after_alloc`` (called by the facade),
+        and after :meth:`read_entry` (called before it)."""
         matched = self._matched.pop(request.request_id, None)
+        claim, expected = self._entries.pop(request.request_id, (None, None))
         if num_external_tokens <= 0 or matched is None:
             return
         local, load_async = matched
@@ -153,12 +189,13 @@ class TailScheduler:
             self._in_flight[request.request_id] = frozenset(
                 self._written_blocks(request, blocks, local, local + num_external_tokens)
             )
-        expected = self._expected(request) if load_async and self._policy.verify_loads else None
         if load_async and not self._policy.zero_tails and expected is None:
             return
         if not load_async:
             if self._policy.zero_read_tails:
-                self._pending_reads.append((request, blocks, local, local + num_external_tokens))
+                self._pending_reads.append(
+                    (request, blocks, local, local + num_external_tokens, claim)
+                )
             return  # other sync loads land in blocks vLLM zeroed first
         record = self._record(
             request, blocks, local, local + num_external_tokens, keep=expected is not None
@@ -166,7 +203,9 @@ class TailScheduler:
         if record is None and expected is not None:
             self._stats.add("digests_skipped", 1)  # no group a digest covers
         if record is not None:
-            if self._policy.zero_tails and self._vouched(request, record.num_loaded):
+            if self._policy.zero_tails and self._claim_used(
+                request, claim, record, self._policy.trust_load_claims
+            ):
                 record = dataclasses.replace(record, vouched=True)
             if expected is not None:
                 record = dataclasses.replace(record, expected=expected)
@@ -216,6 +255,7 @@ class TailScheduler:
         the very dict vLLM puts into the request's output."""
         req_id = request.request_id
         self._matched.pop(req_id, None)
+        self._entries.pop(req_id, None)
         self._producing.pop(req_id, None)
         claim = self._claims.pop(req_id, None)
         digested = self._digesting.pop(req_id, None)
@@ -285,6 +325,7 @@ class TailScheduler:
         """``update_state_after_alloc`` failed: the load may have no record;
         the workers report it failed when it completes."""
         self._matched.pop(request.request_id, None)
+        self._entries.pop(request.request_id, None)
         self._failing.append(request.request_id)
 
     @property
@@ -316,6 +357,7 @@ class TailScheduler:
     def forget(self, req_id: str) -> None:
         """``on_new_request`` or ``request_finished`` failed: no claim for it."""
         self._matched.pop(req_id, None)
+        self._entries.pop(req_id, None)
         self._producing.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._digesting.pop(req_id, None)
@@ -331,7 +373,7 @@ class TailScheduler:
             | self._digesting.keys()
         )
         held.update(r.req_id for r in self._pending)
-        held.update(req.request_id for req, *_ in self._pending_reads)
+        held.update(read[0].request_id for read in self._pending_reads)
         return len(held)
 
     # ---------------------------------------------------------------- helpers
@@ -400,45 +442,133 @@ class TailScheduler:
         if worker_meta is not None and len(worker_meta.ranks) == workers:
             confirmed = worker_meta.confirmed
             parts = worker_meta.digests
-        assert self._geometry is not None, "a producer knows its geometry"
+        # request id -> (its params, prompt length, tail confirmed, digest)
+        sent: dict[str, tuple[dict[str, Any], int, bool, entry.Digest | None]] = {}
         for req_id, (params, num_tokens) in provisional.items():
             # Distinct ranks: a step's outputs replayed (0.33 fault tolerance)
             # repeat a rank's confirmation, never add one.
             if len(confirmed.get(req_id, ())) != workers:
                 logger.debug("kvtail: %s: tail not confirmed by every worker: no claim", req_id)
                 continue
-            claim = entry.Entry(num_tokens=num_tokens, geometry=self._geometry, tail_zero=True)
-            params[entry.KEY] = claim.to_json()
-            self._stats.add("tails_vouched", 1)
+            sent[req_id] = (params, num_tokens, True, None)
         for req_id, (params, num_tokens) in digested.items():
             part = parts.get(req_id)
             digest = part.digest() if part is not None and part.ranks == workers else None
             if digest is None:
                 logger.debug("kvtail: %s: not digested by every worker: no digest", req_id)
                 continue
-            found = entry.read(params)[0]
-            claim = entry.Entry(
-                num_tokens=num_tokens,
-                geometry=self._geometry,
-                tail_zero=found is not None and found.tail_zero,
-                digest=digest,
-            )
-            params[entry.KEY] = claim.to_json()
+            tail_zero = req_id in sent
+            sent[req_id] = (params, num_tokens, tail_zero, digest)
+        for req_id, (params, num_tokens, tail_zero, digest) in sent.items():
+            self._send_entry(req_id, params, num_tokens, tail_zero, digest)
+
+    def _send_entry(
+        self,
+        req_id: str,
+        params: dict[str, Any],
+        num_tokens: int,
+        tail_zero: bool,
+        digest: entry.Digest | None,
+    ) -> None:
+        """Add the entry, bound to the transfer its params name and signed
+        with the shared key, if any; none where the params name no transfer."""
+        assert self._geometry is not None, "a producer knows its geometry"
+        bound = trust.binding(params, self._binding_nodes)
+        if bound is None:
+            logger.debug("kvtail: %s: the params name no transfer to bind to: no entry", req_id)
+            return
+        wire = entry.Entry(
+            num_tokens=num_tokens,
+            geometry=self._geometry,
+            tail_zero=tail_zero,
+            digest=digest,
+            producer_version=__version__,
+            binding=bound,
+        ).to_json()
+        if self._key is not None:
+            mac = trust.sign(self._key, wire)
+            assert mac is not None, "an entry the producer built is JSON"
+            wire["mac"] = mac
+        params[entry.KEY] = wire
+        if tail_zero:
+            self._stats.add("tails_vouched", 1)
+        if digest is not None:
             self._stats.add("digests_sent", 1)
 
-    def _expected(self, request: Any) -> ExpectedDigest | None:
-        """The producer's digest of ``request``'s prompt, where its entry has
-        one (what the workers check the load against); counted as skipped
-        where it has none."""
-        found, why = entry.read(request.kv_transfer_params)
-        if found is not None and found.digest is not None:
-            if found.num_tokens != int(request.num_prompt_tokens):
-                why = "digest of another prompt length"
-            else:
-                return ExpectedDigest(found.num_tokens, found.digest)
-        self._stats.add("digests_skipped", 1)
-        logger.debug("kvtail: %s: no producer digest (%s)", request.request_id, why)
-        return None
+    def _read_entry(
+        self, request: Any, *, claims: bool, digest: bool
+    ) -> tuple[int | None, ExpectedDigest | None]:
+        """The producer's ``kvtail`` entry of ``request``, read once:
+        ``(claim, expected)``. ``claim`` (with ``claims``): the prompt length a
+        zero-tail claim covers, where the entry is valid, bound to these
+        params, MAC-checked with a key, and made for this geometry; anything
+        else is counted in ``vouches_declined``. ``expected`` (with
+        ``digest``): the producer's digest of this prompt under the same
+        conditions; anything else is counted in ``digests_skipped``."""
+        params = request.kv_transfer_params
+        reading = entry.read(params, self._limits, digest=digest)
+        found, why = reading.entry, reading.why
+        if found is not None:
+            why = self._bound(found, reading.raw, params)
+        claim = None
+        if claims and why != "absent":
+            if found is None or why != "ok":
+                self._decline(request, why)
+            elif found.tail_zero:
+                if found.geometry == self._geometry:
+                    claim = found.num_tokens
+                else:
+                    self._decline(request, f"geometry {found.geometry} vs {self._geometry}")
+            elif reading.raw is not None and "dg" not in reading.raw:
+                self._decline(request, "claims nothing")  # a digest alone claims no tail
+        expected = None
+        if digest:
+            if found is not None and why == "ok" and found.digest is not None:
+                if found.num_tokens == int(request.num_prompt_tokens):
+                    expected = ExpectedDigest(found.num_tokens, found.digest)
+                else:
+                    why = "digest of another prompt length"
+            elif why == "ok":
+                why = f"digest {reading.digest_why}"
+            if expected is None:
+                self._stats.add("digests_skipped", 1)
+                logger.debug("kvtail: %s: no producer digest used (%s)", request.request_id, why)
+        return claim, expected
+
+    def _bound(self, found: entry.Entry, raw: Any, params: Any) -> str:
+        """``"ok"`` where ``found`` carries a valid MAC (with a key) and the
+        binding of the params it came with; else why not."""
+        if self._key is not None and (found.mac is None or not trust.verifies(self._key, raw)):
+            return "no valid MAC" if found.mac is None else "MAC does not verify"
+        if found.binding is None:
+            return "unbound"
+        mine = trust.binding(params, self._binding_nodes)
+        if mine is None or mine != found.binding:
+            return "bound to another transfer"
+        return "ok"
+
+    def _decline(self, request: Any, why: str) -> None:
+        self._stats.add("vouches_declined", 1)
+        logger.debug("kvtail: %s: producer claim declined (%s)", request.request_id, why)
+
+    def _claim_used(
+        self, request: Any, claim: int | None, record: LoadRecord, trusted: bool
+    ) -> bool:
+        """Whether a claim lets this consumer skip the tail of ``record`` (zeroed
+        from token ``record.num_loaded``): the claim's clean tail starts there
+        and claims are trusted on this path. A matching claim over a tail this
+        consumer zeroes anyway is counted ``vouches_unused`` (as
+        ``vouched_tails``, only where there is a tail)."""
+        if claim is None:
+            return False
+        if claim != record.num_loaded:
+            self._decline(request, f"claim for {claim} tokens, load of {record.num_loaded}")
+            return False
+        if not trusted:
+            if any(self._tail_index(record.num_loaded, g.group) is not None for g in record.groups):
+                self._stats.add("vouches_unused", 1)
+            return False
+        return True
 
     def _count_verdicts(self, connector_output: Any, worker_meta: KVTailWorkerMeta | None) -> None:
         """Fold this step's verdicts of the ranks; count each load once vLLM
@@ -461,33 +591,6 @@ class TailScheduler:
             else:
                 self._stats.add("digests_skipped", 1)
 
-    def _vouched(self, request: Any, zero_from: int) -> bool:
-        """Whether the producer vouched for the tail this consumer would zero
-        from token ``zero_from``: a valid entry, made for this geometry, whose
-        clean tail starts at the same token."""
-        if not self._policy.trust_vouched:
-            return False
-        found, why = entry.read(request.kv_transfer_params)
-        if found is None:
-            if why != "absent":
-                self._stats.add("vouches_declined", 1)
-                logger.debug("kvtail: %s: kvtail entry ignored (%s)", request.request_id, why)
-            return False
-        if not found.tail_zero and found.digest is not None:
-            return False  # a digest without a tail claim (verify_kv): nothing to decline
-        if found.tail_zero and found.geometry == self._geometry and found.num_tokens == zero_from:
-            return True
-        self._stats.add("vouches_declined", 1)
-        logger.debug(
-            "kvtail: %s: producer claim not for this load (tokens %d vs %d, geometry %s vs %s)",
-            request.request_id,
-            found.num_tokens,
-            zero_from,
-            found.geometry,
-            self._geometry,
-        )
-        return False
-
     def _read_records(
         self, num_scheduled: dict[str, int], reads: dict[str, set[int]]
     ) -> tuple[LoadRecord, ...]:
@@ -506,7 +609,7 @@ class TailScheduler:
         neither gets a record.
         """
         records = []
-        for request, blocks, local, loaded in self._pending_reads:
+        for request, blocks, local, loaded, claim in self._pending_reads:
             dests = reads.get(request.request_id)
             step = num_scheduled.get(request.request_id, 0)
             if not dests or step <= 0:
@@ -518,7 +621,7 @@ class TailScheduler:
                 for load in record.groups
                 if (k := self._tail_index(record.num_loaded, load.group)) is not None
             ):
-                if self._vouched(request, valid):
+                if self._claim_used(request, claim, record, self._policy.trust_read_claims):
                     record = dataclasses.replace(record, vouched=True)
                 records.append(record)
         self._pending_reads.clear()
@@ -599,6 +702,7 @@ class TailScheduler:
         """Requests with wrapper state (0 when idle: the leak check)."""
         return (
             len(self._matched)
+            + len(self._entries)
             + len(self._pending)
             + len(self._pending_reads)
             + len(self._in_flight)

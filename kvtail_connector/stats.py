@@ -34,6 +34,7 @@ COUNTERS = (
     "vouched_tails",
     "vouched_tail_bytes",
     "vouches_declined",
+    "vouches_unused",
     "false_vouches",
     "digests_sent",
     "digests_verified",
@@ -76,9 +77,14 @@ class KVTailStats(KVConnectorStats):
     ``stale_nonfinite_values`` (what ``probe_stale_tails`` found before
     zeroing, all ranks). Producer claims (``vouch_tails``): ``tails_vouched``
     (requests sent with the claim) and ``producer_tail_bytes_zeroed`` on the
-    producer; ``vouched_tails``, ``vouched_tail_bytes`` (not zeroed),
-    ``vouches_declined`` and ``false_vouches`` (the probe's canary) on the
-    consumer. KV digests (``verify_kv``): ``digests_sent`` on the producer;
+    producer; on the consumer ``vouched_tails`` and ``vouched_tail_bytes``
+    (tails not zeroed: a bound claim on a path where claims are trusted),
+    ``vouches_unused`` (bound, matching claims on a path where they are not
+    trusted: the tail was zeroed anyway), ``vouches_declined`` (entries or
+    claims refused: malformed, too large, unknown or known-wrong producer,
+    unbound or bound to another transfer, MAC missing or wrong with a key,
+    other geometry or length) and ``false_vouches`` (the probe's canary).
+    KV digests (``verify_kv``): ``digests_sent`` on the producer;
     ``digests_verified``, ``digest_mismatches`` (loads then reported failed)
     and ``digests_skipped`` (async loads with no usable digest, or none of
     whose segments could be compared) on the consumer. Per-request counters

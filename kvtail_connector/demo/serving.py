@@ -29,12 +29,14 @@ def pair_kv_config(
     zero_tails: ZeroTails = "always",
     policy: Policy = "recompute",
     probe: bool = True,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One side's ``kv_transfer_config``. The tiny Llama has one KV precision, so
     vLLM zeroes nothing for it and only ``zero_tails: always`` zeroes its tails;
-    ``probe`` is the wrapper's ``probe_stale_tails``."""
+    ``probe`` is the wrapper's ``probe_stale_tails``; ``options`` its other
+    fields (e.g. ``verify_kv``)."""
     if wrapped:
-        cfg = wrapped_kv_config(backend, role, zero_tails, probe)
+        cfg = wrapped_kv_config(backend, role, zero_tails, probe, **(options or {}))
     else:
         cfg = kv_config(backend, role)
     cfg["kv_load_failure_policy"] = policy
@@ -59,6 +61,7 @@ class ServePair:
         policies: Sequence[Policy] = ("recompute",),
         probe: bool = True,
         spec: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.backend: Backend = backend
@@ -72,7 +75,7 @@ class ServePair:
             env = {**env, **self.master.env}
 
         def server(side: str, role: Literal["producer", "consumer"], policy: Policy) -> APIServer:
-            kv = pair_kv_config(backend, role, wrapped, zero_tails, policy, probe)
+            kv = pair_kv_config(backend, role, wrapped, zero_tails, policy, probe, options)
             return APIServer(
                 ServerSpec(f"{name}-{side}", str(model), kv, env=dict(env), **overrides),
                 self.log_dir,

@@ -78,7 +78,7 @@ class TestVerifyKV:
         verified = 0
         for prompt in PROMPTS:
             r = pd.run(prompt, MAX_TOKENS)
-            found = entry.read(r.prefill.kv_transfer_params)[0]
+            found = entry.read(r.prefill.kv_transfer_params).entry
             assert found is not None and found.digest is not None
             assert r.decode.token_ids == engines.refs[len(prompt)], len(prompt)
             k = r.kvtail

@@ -289,10 +289,16 @@ class AsyncLoadDouble(KVConnectorBase_V1, SupportsHMA):
 
 
 def _producer_params(request: Request, block_ids: list[list[int]]) -> dict[str, Any] | None:
-    """A producer's P/D params for a remote-decode request (None otherwise)."""
+    """A producer's P/D params for a remote-decode request (None otherwise),
+    with what identifies the transfer as NIXL's producer returns it."""
     if not (request.kv_transfer_params or {}).get("do_remote_decode"):
         return None
-    return {"do_remote_prefill": True, "remote_block_ids": [list(b) for b in block_ids]}
+    return {
+        "do_remote_prefill": True,
+        "remote_block_ids": [list(b) for b in block_ids],
+        "remote_engine_id": "double-producer",
+        "remote_request_id": request.request_id,
+    }
 
 
 class AsyncLoadDoubleAdapter(InnerAdapter):

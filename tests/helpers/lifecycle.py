@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvtail_connector import entry, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.inner_connector import wrapper_fields
@@ -123,6 +124,15 @@ class Harness:
 
     def records(self) -> list[Any]:
         return [r for m in self.metas for r in m.loads]
+
+
+def routed(p_params: dict[str, Any], kvtail: Any = ...) -> dict[str, Any]:
+    """What a router hands D from P's answer (the transfer's identity and the
+    ``kvtail`` entry, P's own or ``kvtail`` in its place), without the keys
+    that would make the transport double expect a real P."""
+    out = {k: p_params[k] for k in trust.BINDING_KEYS if k in p_params}
+    out[entry.KEY] = p_params[entry.KEY] if kvtail is ... else kvtail
+    return out
 
 
 def slot_state(view: torch.Tensor, block: int) -> list[str]:

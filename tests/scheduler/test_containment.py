@@ -156,7 +156,7 @@ def test_a_producer_hook_failure_makes_no_claim(caplog):
     params = {
         o.request_id: o.kv_transfer_params for v in engine_outputs.values() for o in v.outputs
     }
-    assert entry.read(params["p2"])[1] == "ok"  # the next request is claimed as usual
+    assert entry.read(params["p2"]).why == "ok"  # the next request is claimed as usual
     h.finish()
     assert h.stats["internal_errors"] == 1 and h.stats["tails_vouched"] == 1
     assert any("wait_for_save" in e.getMessage() for e in _errors(caplog))

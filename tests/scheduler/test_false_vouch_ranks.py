@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-from kvtail_connector import _compat, entry
-from tests.helpers.lifecycle import LOADED, Harness, slot_state
+from kvtail_connector import _compat
+from tests.helpers.lifecycle import LOADED, Harness, routed, slot_state
 from tests.helpers.vllm_factories import (
     make_model_runner_output,
     make_worker_connector,
@@ -30,8 +30,9 @@ PROMPT = 37
 
 @pytest.fixture(scope="module")
 def vouched() -> dict[str, Any]:
-    """A real producer's entry for a 37-token prompt."""
-    return prefill_leg(producer(), "p1", PROMPT)[entry.KEY]
+    """A real producer's params for a 37-token prompt, as a router hands them
+    to D (its bound entry and the transfer's identity)."""
+    return routed(prefill_leg(producer(), "p1", PROMPT))
 
 
 class TPConsumer:
@@ -40,7 +41,7 @@ class TPConsumer:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, ranks: int) -> None:
         monkeypatch.setattr(_compat, "worker_count", lambda _p: ranks)
-        self.h = Harness("always", probe_stale_tails=True)
+        self.h = Harness("always", probe_stale_tails=True, vouch_tails="trust")
         self.workers = [self.h.worker]
         self.caches = [self.h.caches]
         for rank in range(1, ranks):
@@ -98,7 +99,7 @@ class TPConsumer:
 )
 def test_a_false_vouch_counts_once_whichever_ranks_find_it(monkeypatch, vouched, stale_on):
     tp = TPConsumer(monkeypatch, ranks=4)
-    tp.h.add("c1", PROMPT, double_load_tokens=PROMPT, double_finish_after_steps=2, kvtail=vouched)
+    tp.h.add("c1", PROMPT, double_load_tokens=PROMPT, double_finish_after_steps=2, **vouched)
     tp.step()
     ids = tp.land("c1", stale_on)
     tp.step()
@@ -112,9 +113,7 @@ def test_a_false_vouch_counts_once_whichever_ranks_find_it(monkeypatch, vouched,
 def test_two_requests_found_by_different_ranks_count_twice(monkeypatch, vouched):
     tp = TPConsumer(monkeypatch, ranks=2)
     for req in ("c1", "c2"):
-        tp.h.add(
-            req, PROMPT, double_load_tokens=PROMPT, double_finish_after_steps=2, kvtail=vouched
-        )
+        tp.h.add(req, PROMPT, double_load_tokens=PROMPT, double_finish_after_steps=2, **vouched)
     tp.step()
     tp.land("c1", {1})
     tp.land("c2", {0})

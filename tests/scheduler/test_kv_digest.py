@@ -20,7 +20,7 @@ from vllm.v1.request import RequestStatus
 from kvtail_connector import entry
 from kvtail_connector import kv_digests as kv_digests_mod
 from kvtail_connector.ops.digest_reference import ALGORITHM, reference_digest
-from tests.helpers.lifecycle import BLOCK, Harness
+from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -77,8 +77,9 @@ def sent() -> tuple[Harness, dict[str, Any]]:
 
 def test_the_producer_sends_the_sums_of_its_prompt_kv(sent):
     p, params = sent
-    found, why = entry.read(params)
-    assert why == "ok" and found is not None and found.digest is not None
+    reading = entry.read(params)
+    found = reading.entry
+    assert reading.why == "ok" and found is not None and found.digest is not None
     dg = found.digest
     assert (dg.algorithm, dg.segment) == (ALGORITHM, 1024)
     (ids,) = params["remote_block_ids"]
@@ -96,7 +97,7 @@ def test_a_producer_that_does_not_zero_still_sends_its_digest():
     p = producer("off")
     fill(p, seed=2)
     params = prefill(p, num_tokens=48)  # block-aligned: three whole blocks
-    found = entry.read(params)[0]
+    found = entry.read(params).entry
     assert found is not None and not found.tail_zero and found.digest is not None
     (ids,) = params["remote_block_ids"]
     assert found.digest.sums[0] == {h: tuple(v) for h, v in reference(p, ids, 0, 48, 1024).items()}
@@ -136,7 +137,7 @@ def consume(
     d = consumer(**kw)
     load: dict[str, Any] = {"double_load_tokens": PROMPT, "double_finish_after_steps": 2}
     if kvtail is not None:
-        load[entry.KEY] = kvtail
+        load.update(routed(params, kvtail))
     d.add("c1", PROMPT, **load)
     outputs: dict[str, Any] = {}
     _, out = run_step(d.scheduler, d.worker)
@@ -195,8 +196,13 @@ def _edited_digest(kvtail: dict[str, Any], **dg: Any) -> dict[str, Any]:
         {"alg": "mix64-2"},
         {"sig": "0" * 16},
         {"seg": 100},
+        {"seg": 2**63},
+        {"seg": 2048},
         {"g": {"0": {"0": ["xyz"]}}},
+        {"g": {"0": {"0": ["0" * 16] * 40}}},
+        {"g": {"0": {"0": 7}}},
         "huge-n",
+        "huge-entry",
     ],
     ids=[
         "no-entry",
@@ -204,8 +210,16 @@ def _edited_digest(kvtail: dict[str, Any], **dg: Any) -> dict[str, Any]:
         "other-algorithm",
         "other-layout",
         "bad-segment",
+        # A power of two and a valid u64 that made ops/digest_plan.py raise
+        # OverflowError inside get_transfer_results (the engine died): refused
+        # by the model, the load completes and is zeroed.
+        "seg-2**63",
+        "not-the-segment-for-n",
         "malformed",
+        "too-many-segments",
+        "wrong-type",
         "huge-n",  # an entry's n from the network: skipped at once, never iterated over
+        "huge-entry",  # megabytes of padding: refused by the size walk
     ],
 )
 def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
@@ -214,6 +228,8 @@ def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
         kvtail = {k: v for k, v in good.items() if k != "dg"}
     elif kvtail == "huge-n":
         kvtail = {**good, "n": 2**62}
+    elif kvtail == "huge-entry":
+        kvtail = {**good, "pad": ["0" * 200] * 30_000}  # 6 MB
     elif isinstance(kvtail, dict):
         kvtail = _edited_digest(good, **kvtail)
     d, outputs = consume(sent, kvtail, flip=(0, 3))  # a flip nobody can see
@@ -221,15 +237,21 @@ def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
     assert d.stats["digests_verified"] == 0 and d.stats["digest_mismatches"] == 0
     assert d.stats["failed_loads"] == 0
     assert outputs["c1"].finish_reason == FinishReason.LENGTH
+    # The load completed and its stale tail was zeroed (by D: vouch_tails auto).
+    assert d.stats["tails_zeroed"] == 1 and d.stats["tail_bytes_zeroed"] > 0
+    assert d.stats["vouched_tails"] == 0
     if kvtail is not None and kvtail.get("tail") == "zero" and kvtail["n"] == good["n"]:
-        # A malformed dg leaves the rest of the entry usable: the tail claim holds.
-        assert d.stats["vouched_tails"] == 1
+        if "pad" not in kvtail:
+            # A malformed dg leaves the rest of the entry usable: the claim is checked.
+            assert d.stats["vouches_unused"] == 1 and d.stats["vouches_declined"] == 0
+        else:
+            assert d.stats["vouches_declined"] == 1
 
 
 def test_with_verify_kv_off_the_consumer_does_not_verify(sent):
     p, params = sent
     d = Harness("always", kv_role="kv_consumer")
-    d.add("c1", PROMPT, double_load_tokens=PROMPT, **{entry.KEY: params[entry.KEY]})
+    d.add("c1", PROMPT, double_load_tokens=PROMPT, **routed(params))
     run_step(d.scheduler, d.worker)
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
     d.finish()
@@ -272,7 +294,7 @@ def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatc
         PROMPT,
         double_load_tokens=PROMPT,
         double_finish_after_steps=2,
-        **{entry.KEY: params[entry.KEY]},
+        **routed(params),
     )
     run_step(d.scheduler, d.worker)
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
@@ -307,7 +329,7 @@ def test_a_digest_that_never_lands_is_waited_for_after_max_passes(sent, monkeypa
         PROMPT,
         double_load_tokens=PROMPT,
         double_finish_after_steps=2,
-        **{entry.KEY: params[entry.KEY]},
+        **routed(params),
     )
     run_step(d.scheduler, d.worker)
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
@@ -363,3 +385,21 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
     b = DigestPart("mix64-1", 1024, "b" * 16, {0: {1: (2,)}})
     assert a.merged(b).digest() is None
     assert a.merged(DigestPart("mix64-1", 1024, "a" * 16, {0: {1: (2,)}})).digest() is not None
+
+
+# ------------------------------------------------------------ the shared key
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_with_a_key_only_a_signed_digest_is_used(sent, signed, monkeypatch):
+    monkeypatch.setenv("KVTAIL_TEST_KEY", "the shared key")
+    if signed:
+        p = producer(entry_key_env="KVTAIL_TEST_KEY")
+        fill(p, seed=1)
+        sent = (p, prefill(p))
+        assert "mac" in sent[1][entry.KEY]
+    d, outputs = consume(sent, sent[1][entry.KEY], entry_key_env="KVTAIL_TEST_KEY")
+    assert d.stats["digests_verified"] == (1 if signed else 0)
+    assert d.stats["digests_skipped"] == (0 if signed else 1)
+    assert d.stats["failed_loads"] == 0
+    assert outputs["c1"].finish_reason == FinishReason.LENGTH

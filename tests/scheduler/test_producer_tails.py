@@ -18,9 +18,10 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-from kvtail_connector import _compat, entry
+from kvtail_connector import _compat, entry, trust
+from kvtail_connector._version import __version__
 from kvtail_connector.metadata import KVTailMetadata
-from tests.helpers.lifecycle import BLOCK, Harness, slot_state
+from tests.helpers.lifecycle import BLOCK, Harness, routed, slot_state
 from tests.helpers.vllm_factories import (
     make_model_runner_output,
     make_worker_connector,
@@ -71,11 +72,17 @@ def test_a_remote_decode_prompt_leaves_with_a_claim_after_its_tail_is_zeroed():
     h = producer()
     h.add("p1", 37, max_tokens=1, do_remote_decode=True)
     params = step(h)["p1"]
-    found, why = entry.read(params)
-    assert why == "ok" and found is not None
+    reading = entry.read(params)
+    found = reading.entry
+    assert reading.why == "ok" and found is not None
     assert found.num_tokens == 37 and found.tail_zero
     assert found.geometry.block_sizes == (BLOCK,) and found.geometry.dcp == 1
     assert params["do_remote_prefill"] is True  # the inner connector's params, kept
+    # The producer's version, and the binding to this transfer's identity in the
+    # same params (engine id, request id, block ids); no MAC without a key.
+    assert found.producer_version == __version__ == "0.2.0"
+    assert found.binding == trust.binding(params, 10**6) is not None
+    assert found.mac is None and "mac" not in params[entry.KEY]
     (ids,) = params["remote_block_ids"]
     view = h.caches.views[LAYERS[0]]
     for layer in LAYERS:
@@ -95,7 +102,8 @@ def test_a_remote_decode_prompt_leaves_with_a_claim_after_its_tail_is_zeroed():
 def test_a_block_aligned_prompt_is_vouched_for_with_nothing_to_zero():
     h = producer()
     params = prefill_leg(h, "p1", 48)
-    assert entry.read(params)[0] == entry.Entry(48, entry.read(params)[0].geometry, True)
+    found = entry.read(params).entry
+    assert found is not None and (found.num_tokens, found.tail_zero) == (48, True)
     assert h.stats["tails_vouched"] == 1 and h.stats["producer_tail_bytes_zeroed"] == 0
     assert h.metas[0].producer_tails[0].groups == ()
 
@@ -106,7 +114,7 @@ def test_a_chunked_prompt_is_recorded_in_the_step_that_completes_it():
     assert step(h) == {} and step(h) == {}  # chunks 0-31, 32-63
     params = step(h)["p1"]  # 64-69 completes the prompt
     assert [len(m.producer_tails) for m in h.metas] == [0, 0, 1]
-    assert entry.read(params)[0].num_tokens == 70
+    assert entry.read(params).entry.num_tokens == 70
     h.finish()
 
 
@@ -169,7 +177,7 @@ def test_the_claim_needs_the_zeroing_to_have_run_in_the_runners_hook(monkeypatch
     v2 = producer()
     v2.add("p2", 37, max_tokens=1, do_remote_decode=True)
     params = _step_without_the_hook(v2, "v2")["p2"]
-    assert entry.read(params)[1] == "ok"
+    assert entry.read(params).why == "ok"
     (ids,) = params["remote_block_ids"]
     assert slot_state(v2.caches.views[LAYERS[0]], ids[2])[5:] == ["zero"] * 11
     v2.finish()
@@ -216,13 +224,13 @@ class TPProducer:
 def test_every_rank_must_confirm_and_one_that_did_not_zero_withholds_the_claim(monkeypatch):
     tp = TPProducer(monkeypatch, ranks=4)
     tp.h.add("p1", 37, max_tokens=1, do_remote_decode=True)
-    assert entry.read(tp.step()["p1"])[1] == "ok"
+    assert entry.read(tp.step()["p1"]).why == "ok"
     tp.workers[2].unregister_kv_caches()  # sleep mode on one rank
     tp.h.add("p2", 37, max_tokens=1, do_remote_decode=True)
     assert entry.KEY not in tp.step()["p2"]
     tp.workers[2].restore_kv_caches()
     tp.h.add("p3", 37, max_tokens=1, do_remote_decode=True)
-    assert entry.read(tp.step()["p3"])[1] == "ok"
+    assert entry.read(tp.step()["p3"]).why == "ok"
     tp.h.scheduler.schedule()
     assert tp.h.scheduler.connector.scheduler_state_is_empty()
     assert all(w.scheduler_state_is_empty() for w in tp.workers)
@@ -257,16 +265,25 @@ def test_no_claim_for_a_request_preempted_after_its_tail_was_zeroed():
 
 # ------------------------------------------------------------------ consumer
 
+KEY_ENV = "KVTAIL_TEST_ENTRY_KEY"
 
-def _consume(kvtail: Any, *, probe: bool = False, tail_zero_on_arrival: bool = False) -> Harness:
-    """D loads 37 tokens of ``c1`` with ``kvtail`` in its params; the transport
-    writes tokens 0-36 (and, with ``tail_zero_on_arrival``, zeroes in the tail
-    the way a vouching producer's block arrives)."""
-    h = Harness("always", probe_stale_tails=probe)
-    params: dict[str, Any] = {"double_load_tokens": 37, "double_finish_after_steps": 2}
-    if kvtail is not None:
-        params[entry.KEY] = kvtail
-    h.add("c1", 37, **params)
+
+def _consume(
+    params: dict[str, Any] | None,
+    *,
+    probe: bool = False,
+    tail_zero_on_arrival: bool = False,
+    **wrapper: Any,
+) -> Harness:
+    """D loads 37 tokens of ``c1`` with P's ``params`` as a router hands them
+    over (None: no entry); the transport writes tokens 0-36 (and, with
+    ``tail_zero_on_arrival``, zeroes in the tail the way a vouching
+    producer's block arrives). ``wrapper``: D's settings (``vouch_tails``...)."""
+    h = Harness("always", probe_stale_tails=probe, **wrapper)
+    load: dict[str, Any] = {"double_load_tokens": 37, "double_finish_after_steps": 2}
+    if params is not None:
+        load.update(params)
+    h.add("c1", 37, **load)
     h.step()
     h.land("c1", 0, 0, 37)
     ids = h.inner_scheduler.blocks_by_req["c1"][0]
@@ -280,23 +297,47 @@ def _consume(kvtail: Any, *, probe: bool = False, tail_zero_on_arrival: bool = F
 
 
 @pytest.fixture(scope="module")
-def vouched() -> dict[str, Any]:
-    """A real producer's entry for a 37-token prompt."""
-    return prefill_leg(producer(), "p1", 37)[entry.KEY]
+def sent() -> dict[str, Any]:
+    """A real producer's params for a 37-token prompt (the entry added in place)."""
+    return prefill_leg(producer(), "p1", 37)
 
 
-def test_a_vouched_tail_is_not_zeroed_and_is_counted(vouched):
-    h = _consume(vouched)
-    assert h.tail_state == [["loaded"] * 5 + ["stale"] * 11] * 2  # left as it arrived
+@pytest.fixture(scope="module")
+def signed() -> dict[str, Any]:
+    """The same from a producer holding the shared key."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(KEY_ENV, "a shared secret")
+    try:
+        return prefill_leg(producer(entry_key_env=KEY_ENV), "p1", 37)
+    finally:
+        mp.undo()
+
+
+ZEROED = [["loaded"] * 5 + ["zero"] * 11] * 2
+LEFT = [["loaded"] * 5 + ["stale"] * 11] * 2
+
+
+def test_by_default_a_valid_claim_is_checked_and_counted_but_the_tail_is_zeroed(sent):
+    h = _consume(routed(sent))
+    assert h.tail_state == ZEROED
+    assert [r.vouched for r in h.records()] == [False]
+    assert h.stats["vouches_unused"] == 1 and h.stats["vouches_declined"] == 0
+    assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
+
+
+def test_with_trust_a_vouched_tail_is_not_zeroed_and_is_counted(sent):
+    h = _consume(routed(sent), vouch_tails="trust")
+    assert h.tail_state == LEFT  # left as it arrived
     assert [r.vouched for r in h.records()] == [True]
     assert h.stats["vouched_tails"] == 1 and h.stats["tails_zeroed"] == 0
+    assert h.stats["vouches_unused"] == 0
     view = h.caches.views[LAYERS[0]]
     assert h.stats["vouched_tail_bytes"] == 11 * len(LAYERS) * slot_bytes(view)
     assert h.stats["tail_bytes_zeroed"] == 0
 
 
-def _edited(vouched: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(vouched)
+def _edited(kvtail: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(kvtail)
     node = out
     for key in path[:-1]:
         node = node[key]
@@ -312,41 +353,153 @@ def _edited(vouched: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[
         (("geom", "bs"), [32], 1),  # another block size
         (("geom", "dcp"), 2, 1),
         (("geom", "sig"), "0" * 16, 1),  # other specs
-        (("v",), 2, 1),  # unknown version
+        (("v",), 3, 1),  # unknown version
+        (("v",), 1, 1),  # a 0.1.0 producer's entry
+        (("pv",), "0.1.0", 1),  # a known-wrong producer version
         (("tail",), "maybe", 1),  # no claim
         (("geom",), "16", 1),  # malformed
+        (("bind",), "0" * 32, 1),  # bound to another transfer
+        (("bind",), None, 1),  # unbound
+        (("n",), 2**63, 1),  # out of the model
     ],
-    ids=["absent", "length", "block-size", "dcp", "signature", "version", "no-claim", "malformed"],
+    ids=[
+        "absent",
+        "length",
+        "block-size",
+        "dcp",
+        "signature",
+        "version",
+        "v1",
+        "known-wrong",
+        "no-claim",
+        "malformed",
+        "other-binding",
+        "unbound",
+        "huge-n",
+    ],
 )
-def test_everything_but_a_matching_claim_is_zeroed_as_today(vouched, path, value, declined):
-    h = _consume(None if path is None else _edited(vouched, path, value))
-    assert h.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+def test_everything_but_a_bound_matching_claim_is_zeroed_even_with_trust(
+    sent, path, value, declined
+):
+    if path is None:
+        params = None
+    elif value is None:
+        params = routed(sent, {k: v for k, v in sent[entry.KEY].items() if k != path[-1]})
+    else:
+        params = routed(sent, _edited(sent[entry.KEY], path, value))
+    h = _consume(params, vouch_tails="trust")
+    assert h.tail_state == ZEROED
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
-    assert h.stats["vouches_declined"] == declined
+    assert h.stats["vouches_declined"] == declined and h.stats["vouches_unused"] == 0
 
 
-def test_unknown_keys_in_the_entry_are_ignored(vouched):
-    h = _consume({**vouched, "dg": {"alg": "future"}, "extra": 1})
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_request_id", "another-request"),
+        ("remote_engine_id", "another-engine"),
+        ("remote_block_ids", [[7, 8, 9]]),
+    ],
+)
+def test_an_entry_copied_to_another_transfers_params_is_declined(sent, key, value):
+    copied = {**routed(sent), key: value}
+    h = _consume(copied, vouch_tails="trust")
+    assert h.tail_state == ZEROED
+    assert h.stats["vouches_declined"] == 1 and h.stats["vouched_tails"] == 0
+
+
+def test_unknown_keys_in_the_entry_are_ignored(sent):
+    h = _consume(routed(sent, {**sent[entry.KEY], "extra": 1}), vouch_tails="trust")
     assert h.stats["vouched_tails"] == 1 and h.stats["vouches_declined"] == 0
 
 
-def test_the_probe_catches_a_false_claim_and_zeroes_it(vouched, caplog):
-    h = _consume(vouched, probe=True)  # the "producer" left its tail stale
-    assert h.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+def test_the_producer_signs_its_entry_with_the_shared_key(signed):
+    found = entry.read(signed).entry
+    assert found is not None and found.mac is not None and len(found.mac) == 64
+    assert trust.verifies(b"a shared secret", signed[entry.KEY])
+    assert not trust.verifies(b"another secret", signed[entry.KEY])
+
+
+def _with_key(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any] | None) -> Harness:
+    monkeypatch.setenv(KEY_ENV, "a shared secret")
+    return _consume(params, vouch_tails="trust", entry_key_env=KEY_ENV)
+
+
+def test_with_a_key_a_signed_claim_is_trusted(signed, monkeypatch):
+    h = _with_key(monkeypatch, routed(signed))
+    assert h.tail_state == LEFT
+    assert h.stats["vouched_tails"] == 1 and h.stats["vouches_declined"] == 0
+
+
+@pytest.mark.parametrize("change", ["unsigned", "tampered-n", "tampered-mac", "other-key"])
+def test_with_a_key_an_unsigned_or_tampered_claim_is_declined(sent, signed, monkeypatch, change):
+    if change == "unsigned":
+        params = routed(sent)
+    elif change == "tampered-n":
+        # A longer claim with the MAC kept (and D's load made as long as it).
+        params = routed(signed, {**signed[entry.KEY], "n": 36})
+    elif change == "tampered-mac":
+        mac = signed[entry.KEY]["mac"]
+        flipped = ("0" if mac[0] != "0" else "1") + mac[1:]
+        params = routed(signed, {**signed[entry.KEY], "mac": flipped})
+    else:
+        wire = {k: v for k, v in signed[entry.KEY].items() if k != "mac"}
+        wire["mac"] = trust.sign(b"another secret", wire)
+        params = routed(signed, wire)
+    h = _with_key(monkeypatch, params)
+    assert h.tail_state == ZEROED
+    assert h.stats["vouches_declined"] == 1 and h.stats["vouched_tails"] == 0
+
+
+def test_a_named_but_unset_key_variable_is_refused_at_start_up(monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(
+        ValueError,
+        match=f"entry_key_env: names the environment variable {KEY_ENV}",
+    ):
+        Harness("always", entry_key_env=KEY_ENV)
+    monkeypatch.setenv(KEY_ENV, "")
+    with pytest.raises(ValueError, match="which is empty"):
+        Harness("always", entry_key_env=KEY_ENV)
+
+
+def test_the_probe_catches_a_false_claim_and_zeroes_it(sent, caplog):
+    h = _consume(routed(sent), probe=True, vouch_tails="trust")  # the tail arrived stale
+    assert h.tail_state == ZEROED
     assert h.stats["false_vouches"] == 1
     assert (h.stats["tails_zeroed"], h.stats["probed_tails"], h.stats["vouched_tails"]) == (1, 1, 0)
     assert "vouched for a zero tail" in caplog.text
-    honest = _consume(vouched, probe=True, tail_zero_on_arrival=True)
+    honest = _consume(routed(sent), probe=True, tail_zero_on_arrival=True, vouch_tails="trust")
     assert honest.stats["false_vouches"] == 0 and honest.stats["tail_bytes_zeroed"] == 0
     assert (honest.stats["vouched_tails"], honest.stats["tails_zeroed"]) == (1, 0)
-    assert honest.tail_state == [["loaded"] * 5 + ["zero"] * 11] * 2
+    assert honest.tail_state == ZEROED
 
 
-def test_vouch_tails_off_on_the_consumer_trusts_nothing(vouched):
-    h = Harness("always", vouch_tails="off")
-    h.add("c1", 37, double_load_tokens=37, **{entry.KEY: vouched})
-    h.step()
+def test_by_default_a_stale_tail_under_a_claim_is_zeroed_not_trusted(sent):
+    # What the default buys: a producer whose tail changed after its claim
+    # (a producer bug, a block freed by P's timeout) cannot leave D stale.
+    h = _consume(routed(sent), probe=True)
+    assert h.tail_state == ZEROED
+    assert h.stats["stale_nonfinite_values"] > 0 and h.stats["false_vouches"] == 0
+    assert h.stats["vouches_unused"] == 1
+
+
+def test_vouch_tails_off_on_the_consumer_checks_nothing(sent):
+    h = _consume(routed(sent), vouch_tails="off")
     assert [r.vouched for r in h.records()] == [False]
-    h.land("c1", 0, 0, 37)
-    h.finish()
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
+    assert h.stats["vouches_unused"] == 0 and h.stats["vouches_declined"] == 0
+
+
+def test_a_block_aligned_load_has_no_tail_to_count_a_claim_for():
+    # vouches_unused, like vouched_tails, counts tails: a block-aligned load has
+    # none (its record exists only to zero a failed load's blocks).
+    params = prefill_leg(producer(), "p1", 48)
+    h = Harness("always")
+    h.add("c1", 48, double_load_tokens=48, **routed(params))
+    h.step()
+    h.land("c1", 0, 0, 48)
+    h.finish()
+    assert len(h.records()) == 1  # recorded (zero_failed_loads), nothing to zero
+    assert h.stats["vouches_unused"] == 0 and h.stats["vouches_declined"] == 0
+    assert h.stats["tails_zeroed"] == 0 and h.stats["vouched_tails"] == 0

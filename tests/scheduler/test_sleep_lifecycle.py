@@ -13,8 +13,7 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
-from kvtail_connector import entry
-from tests.helpers.lifecycle import Harness, slot_state
+from tests.helpers.lifecycle import Harness, routed, slot_state
 from tests.helpers.worker_caches import allocate
 from tests.scheduler.test_kv_digest import consumer, fill, prefill, producer, transfer
 
@@ -121,7 +120,7 @@ def test_verification_works_after_release_sleep_wake(flip):
     params = prefill(p)
     d = consumer()
     _apply(d, SEQUENCES["release-sleep-wake"])
-    d.add("c1", 37, double_load_tokens=37, double_finish_after_steps=2, kvtail=params[entry.KEY])
+    d.add("c1", 37, double_load_tokens=37, double_finish_after_steps=2, **routed(params))
     d.step()
     (p_ids,) = params["remote_block_ids"]
     transfer(p, p_ids, d, "c1", 37)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvtail_connector import _compat, entry
-from tests.helpers.lifecycle import BLOCK, LOADED, Harness, slot_state
+from tests.helpers.lifecycle import BLOCK, LOADED, Harness, routed, slot_state
 from tests.helpers.vllm_factories import make_model_runner_output
 from tests.scheduler.test_kv_digest import reference, transfer
 
@@ -133,7 +133,8 @@ def test_p_claims_and_digests_what_the_forward_wrote_before_the_step_metadata(mo
     calls = _record_calls(h, monkeypatch)
     h.add("p1", PROMPT, max_tokens=1, do_remote_decode=True)
     params = v2_step(h, runner, defer=defer, forward=_prompt_writer(h, "p1", 3), calls=calls)["p1"]
-    found, why = entry.read(params)
+    reading = entry.read(params)
+    found, why = reading.entry, reading.why
     assert why == "ok" and found is not None and found.tail_zero and found.digest is not None
     (ids,) = params["remote_block_ids"]
     # The digest is over what the forward wrote; the tail is zero.
@@ -184,7 +185,7 @@ def test_d_records_outlive_deferred_metadata_and_are_used_at_completion(monkeypa
     d = Harness("always", kv_role="kv_consumer", verify_kv="digest")
     runner = active(d, monkeypatch)
     load = {"double_load_tokens": PROMPT, "double_finish_after_steps": 3}
-    d.add("c1", PROMPT, kvtail=params[entry.KEY], **load)
+    d.add("c1", PROMPT, **routed(params), **load)
     v2_step(d, runner, defer=defer)  # bound, load started in post_forward
     assert d.records() and d.records()[0].req_id == "c1"
     (p_ids,) = params["remote_block_ids"]

@@ -87,14 +87,17 @@ def test_concurrent_clients_equal_the_single_engine(servers: Servers, bs: int) -
     assert mismatches(wrapped, refs) == []
     # Both servers run the wrapper: P zeroed every mid-block tail and vouched for
     # it, the entry crossed vllm-router (which copies the prefill answer's
-    # kv_transfer_params whole), and D zeroed nothing (its probe checked each
-    # vouched tail: all zero).
+    # kv_transfer_params whole) bound to its transfer, and D (vouch_tails
+    # "auto") checked each claim and zeroed the tail itself anyway (its probe
+    # found each one already zero).
     want = {
         "tails_vouched": 0,  # counted on P
-        "vouched_tails": len(mid),
-        "vouched_tail_bytes": expected_tail_bytes(prompts, bs, slot_bytes(d)),
-        "tails_zeroed": 0,
-        "tail_bytes_zeroed": 0,
+        "vouched_tails": 0,
+        "vouches_unused": len(mid),
+        "vouches_declined": 0,
+        "tails_zeroed": len(mid),
+        "tail_bytes_zeroed": expected_tail_bytes(prompts, bs, slot_bytes(d)),
+        "stale_nonzero_bytes": 0,
         "probed_tails": len(mid),
         "false_vouches": 0,
         "failed_loads": 0,
@@ -146,12 +149,14 @@ def test_planted_nan_tail_breaks_the_plain_pair_not_the_wrapped_one(
     assert all(hook.planted), hook.planted
     assert census == [{}] * len(prompts)
     assert mismatches(wrapped, refs) == []
-    # The NaN was planted after P vouched for a clean tail: D's probe (the
-    # canary) finds it, zeroes it and counts a false vouch per request.
+    # The NaN was planted after P vouched for a clean tail: D (vouch_tails
+    # "auto") does not skip on the claim, zeroes every tail itself and its probe
+    # counts the NaN; no vouched tail, so no false vouch.
     want = {
         "tails_zeroed": len(prompts),
         "probed_tails": len(prompts),
-        "false_vouches": len(prompts),
+        "vouches_unused": len(prompts),
+        "false_vouches": 0,
         "vouched_tails": 0,
         "stale_nonfinite_values": sum(hook.planted) * elements_per_slot(d),
         "tail_bytes_zeroed": expected_tail_bytes(prompts, bs, slot_bytes(d)),

@@ -209,8 +209,15 @@ def _keeps_serving(servers: Servers, pair: ServePair, routes: list[Route], bs: i
         before = kvtail(route.decode)
         answers = [send(openai_client(route.url), p, MAX_TOKENS) for p in prompts]
         assert mismatches(answers, refs) == [], route.policy
-        # The restarted P vouches again: D trusts, zeroes nothing.
-        want = {"vouched_tails": len(prompts), "tails_zeroed": 0, "failed_loads": 0}
+        # The restarted P vouches again, bound to the new transfers: D checks each
+        # claim (none declined) and zeroes every tail itself (vouch_tails "auto").
+        want = {
+            "vouches_unused": len(prompts),
+            "vouches_declined": 0,
+            "vouched_tails": 0,
+            "tails_zeroed": len(prompts),
+            "failed_loads": 0,
+        }
         got = wait_counts(route.decode, before, want)
         assert got["held_requests"] == 0, got
 

@@ -5,7 +5,7 @@ API servers with the wrapper around NixlConnector and default settings, with
 no variable set by hand: vLLM's CPU platform picks the DS Mamba conv-state
 layout NIXL needs only for a NIXL connector it sees by name, and the wrapper's
 plugin sets it from the server's ``--kv-transfer-config`` (issue 23: both
-servers failed at start-up). Through the example proxy, prompts ending inside
+servers failed at start-up). Through vllm-router, prompts ending inside
 an attention block and on its boundary, completions and chats, streamed and
 not, get the single-engine server's greedy answers; nothing non-finite is
 left in the decode server's cache; no load failed.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.proxy_runner import RunningProxy
+from kvtail_connector.demo.router import Router
 from kvtail_connector.demo.serving import Fleet, ServePair
 from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
 from kvtail_connector.demo.workload import mixed_prompts, openai_client, send_all
@@ -35,6 +35,7 @@ pytestmark = pytest.mark.serve
 class Hybrid:
     reference: APIServer
     pair: ServePair
+    fleet: Fleet
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
     reference = fleet.add_reference(model)
     pair = fleet.add_pair("hybrid", model, wrapped=True, zero_tails="auto")
     with fleet.start():
-        yield Hybrid(reference, pair)
+        yield Hybrid(reference, pair, fleet)
 
 
 def test_wrapped_hybrid_pair_starts_and_answers_like_one_engine(hybrid: Hybrid) -> None:
@@ -64,8 +65,9 @@ def test_wrapped_hybrid_pair_starts_and_answers_like_one_engine(hybrid: Hybrid) 
     prompts = mixed_prompts(8, attn_block, count_tokens, seed=23, low=8, high=200)
     assert any(p.mid_block(attn_block) for p in prompts)
     refs = references(ref, prompts)
-    with RunningProxy(hybrid.pair.prefill.url, hybrid.pair.decode.url) as proxy:
-        answers = send_all(openai_client(proxy.url), prompts, MAX_TOKENS, CONCURRENCY)
+    pair = hybrid.pair
+    with Router(pair.name, [pair.prefill.url], [pair.decode.url], hybrid.fleet.log_dir) as router:
+        answers = send_all(openai_client(router.url), prompts, MAX_TOKENS, CONCURRENCY)
     assert mismatches(answers, refs) == []
     got = wait_counts(hybrid.pair.decode, {}, {"failed_loads": 0})
     assert got["held_requests"] == 0, got

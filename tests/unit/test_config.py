@@ -36,7 +36,16 @@ def test_frozen_and_user_dict_untouched():
         ),
         (
             {"backend": "NixlConnector", "vouch_tails": True},
-            ["kv_connector_extra_config.vouch_tails", '"auto"', '"off"'],
+            ["kv_connector_extra_config.vouch_tails", '"auto"', '"trust"', '"off"'],
+        ),
+        # The config names the variable; a secret pasted in its place is refused.
+        (
+            {"backend": "NixlConnector", "entry_key_env": "s3cr3t key!"},
+            ["kv_connector_extra_config.entry_key_env", "not an environment variable name"],
+        ),
+        (
+            {"backend": "NixlConnector", "entry_key_env": 7},
+            ["kv_connector_extra_config.entry_key_env", "environment variable"],
         ),
         (
             {"backend": "NixlConnector", "zero_tail": "auto"},

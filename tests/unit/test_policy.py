@@ -128,13 +128,35 @@ def test_a_producer_vouches_where_its_consumer_would_zero():
     assert read.vouch_tails and read.needs_caches
 
 
-def test_a_consumer_trusts_claims_only_over_a_transfer_that_carries_them():
-    assert _claims(is_consumer=True).trust_vouched
-    assert not _claims(is_consumer=True, carries_producer_tail=False).trust_vouched
-    assert not _claims("off", is_consumer=True).trust_vouched
-    assert not _claims(is_consumer=False).trust_vouched
-    both = _claims(is_consumer=True, is_producer=True)  # kv_both
-    assert both.trust_vouched and both.vouch_tails
+def test_a_consumer_checks_claims_only_over_a_transfer_that_carries_them():
+    for vouch in ("auto", "trust"):
+        assert _claims(vouch, is_consumer=True).check_claims
+        assert not _claims(vouch, is_consumer=True, carries_producer_tail=False).check_claims
+        assert not _claims(vouch, is_consumer=False).check_claims
+        assert _claims(vouch, is_producer=True).vouch_tails  # producers vouch in both
+    off = _claims("off", is_consumer=True)
+    assert not (off.check_claims or off.trust_vouched)
+    both = _claims("trust", is_consumer=True, is_producer=True)  # kv_both
+    assert both.trust_load_claims and both.vouch_tails
+
+
+READ = {"sync_read": True, "needs_zeroing": True, "is_consumer": True}
+
+
+def test_by_default_claims_skip_work_only_on_per_layer_read_tails():
+    # auto: an async load's tail is always zeroed by the consumer itself...
+    assert not _claims(is_consumer=True).trust_vouched
+    # ...a READ tail zeroed per layer (vLLM 0.32) is skipped on a bound claim,
+    per_layer = _claims(reads_may_land_per_layer=True, **READ)
+    assert per_layer.read_tails_by_layer and per_layer.trust_read_claims
+    assert not per_layer.trust_load_claims
+    # ...and a READ tail zeroed once per step (0.33) is not.
+    at_start = _claims(**READ)
+    assert at_start.check_claims and not at_start.trust_vouched
+    # trust: every path; off: none.
+    assert _claims("trust", **READ).trust_read_claims
+    assert _claims("trust", is_consumer=True).trust_load_claims
+    assert not _claims("off", reads_may_land_per_layer=True, **READ).trust_vouched
 
 
 def _verify(verify: str = "digest", **facts):

@@ -100,6 +100,7 @@ class Run:
         read: bool = True,
         kv_role: str = "kv_consumer",
         zero_tails: str = "auto",
+        vouch_tails: str = "auto",
         **config_kwargs: Any,
     ) -> None:
         inner_extra = _moriio_extra(read)
@@ -110,6 +111,7 @@ class Run:
                         "backend": "MoRIIOConnector",
                         "backend_extra_config": inner_extra,
                         "zero_tails": zero_tails,
+                        "vouch_tails": vouch_tails,
                     }
                 ),
                 kv_role=kv_role,
@@ -585,27 +587,37 @@ def _counted_nothing(run: Any) -> bool:
     return stats is None or not any(stats[name] for name in COUNTERS)
 
 
+@pytest.mark.parametrize("vouch_tails", ["auto", "trust"])
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer (0.32)", "at start"])
-def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer):
+def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails):
     # The producer vouched for its tail (a kvtail entry for this geometry and a
-    # 100-token prompt): the READ copies its blocks, zero past the prompt at the
-    # source, so the worker arms no layer and zeroes nothing; a mismatched
-    # length in the entry gets today's zeroing.
-    from kvtail_connector import entry
+    # 100-token prompt, bound to this READ's params): the READ copies its blocks,
+    # zero past the prompt at the source, so the worker arms no layer and zeroes
+    # nothing. By default (auto) only where this vLLM zeroes READ tails per
+    # layer (0.32), where skipping saves milliseconds a step; with trust on
+    # both releases. A mismatched length, or an entry copied from another
+    # transfer, gets today's zeroing.
+    from kvtail_connector import _compat, entry, trust
     from kvtail_connector.stats import KVTailStats
     from tests.helpers.worker_caches import allocate, make_tail_worker
 
     kv = _mixed()
     geometry = entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1)
-    for n, vouched in ((100, True), (99, False)):
-        run = make_run(wrapped=True, kv_cache_config=kv)
+    trusted = vouch_tails == "trust" or _compat.moriio_reads_may_land_per_layer()
+    for n, copied, vouched in ((100, False, trusted), (99, False, False), (100, True, False)):
+        run = make_run(wrapped=True, kv_cache_config=kv, vouch_tails=vouch_tails)
         remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
         params = _peer_params(remote, req_id="read")
-        params[entry.KEY] = entry.Entry(n, geometry, tail_zero=True).to_json()
+        bound = trust.binding(_peer_params(remote, req_id="other") if copied else params, 10**4)
+        params[entry.KEY] = entry.Entry(n, geometry, tail_zero=True, binding=bound).to_json()
         run.add("read", 100, params)
         out = run.scheduler.schedule()
         (record,) = out.kv_connector_metadata.read_loads
         assert record.vouched is vouched
+        counted = run.scheduler.connector.get_kv_connector_stats()
+        declined = n != 100 or copied
+        assert counted["vouches_declined"] == declined
+        assert counted["vouches_unused"] == (not declined and not vouched)
 
         caches = allocate(kv)
         stats = KVTailStats()
