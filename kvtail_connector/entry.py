@@ -60,9 +60,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
-
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from typing import Any
 
 from kvtail_connector._version import __version__
 
@@ -277,43 +275,6 @@ class Reading:
     raw: Mapping[str, Any] | None = None
 
 
-_Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
-_HexU64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{16}$")]
-_Key = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
-_Count = Annotated[int, Field(ge=1, le=1 << 24)]
-_STRICT = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-
-class _WireGeometry(BaseModel):
-    model_config = _STRICT
-
-    bs: list[_Count]
-    dcp: _Count
-    ilv: _Count
-    sig: _Hex16
-
-
-class _WireEntry(BaseModel):
-    model_config = _STRICT
-
-    v: int
-    pv: Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z.+!_-]{1,32}$")]
-    n: _Count
-    geom: _WireGeometry
-    bind: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
-    tail: Annotated[str, StringConstraints(max_length=16)] | None = None
-    mac: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
-
-
-class _WireDigest(BaseModel):
-    model_config = _STRICT
-
-    alg: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    seg: _Count
-    sig: _Hex16
-    g: dict[_Key, dict[_Key, list[_HexU64]]]
-
-
 def measure(raw: Any, max_nodes: int) -> int | None:
     """Values in ``raw`` (dicts, lists and scalars; keys are checked with
     their dict), or None as soon as it holds more than ``max_nodes``, nests
@@ -369,8 +330,11 @@ def read(
         return Reading(None, "unknown version")
     if measure(raw, limits.max_nodes) is None:
         return Reading(None, "too large")
+    # Scheduler side only: the workers import this module without pydantic.
+    from kvtail_connector.entry_wire import ValidationError, WireEntry
+
     try:
-        wire = _WireEntry.model_validate(raw)
+        wire = WireEntry.model_validate(raw)
     except ValidationError:
         return Reading(None, "malformed")
     if wire.pv in KNOWN_WRONG_PRODUCERS:
@@ -397,8 +361,10 @@ def _read_digest(raw: Any, num_tokens: int, limits: Limits) -> tuple[Digest | No
     have chosen, ``ceil(n / seg)`` sums per head, D's groups and heads only."""
     if raw is None:
         return None, "absent"
+    from kvtail_connector.entry_wire import ValidationError, WireDigest
+
     try:
-        wire = _WireDigest.model_validate(raw)
+        wire = WireDigest.model_validate(raw)
     except ValidationError:
         return None, "malformed"
     if wire.seg != segment_for(num_tokens):

@@ -34,3 +34,25 @@ def test_adapters_import_from_a_checkout_without_the_installer_mapping() -> None
     path, module = r.stdout.split()
     assert Path(path).resolve() == (REPO / "connectors" / "__init__.py").resolve()
     assert module == "kvtail_connector.connectors.nixl"
+
+
+_WORKER_PROBE = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks/vllm_stub"]
+import kvtail_connector.worker, kvtail_connector.kv_digests, kvtail_connector.metadata
+print("pydantic" in sys.modules)
+"""
+
+
+def test_the_worker_side_imports_without_pydantic() -> None:
+    # The GPU benchmarks run the worker where neither vLLM (the benchmarks'
+    # stand-in provides its base classes) nor pydantic is installed; only the
+    # scheduler side parses configs and kvtail entries.
+    r = subprocess.run(
+        [sys.executable, "-c", _WORKER_PROBE, str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "False"
