@@ -16,7 +16,7 @@ prefill answer and before the router sends the decode leg. After every fault:
 * the decode servers keep serving: a request computed locally, and P/D requests
   through the router once a (restarted) prefill server is up.
 
-With the prefill server dead, the router itself is measured (README, "Serving"):
+With the prefill server dead, the router itself is measured (docs/serving.md):
 its answer to a client, that nothing reaches the decode server, when its health
 check takes the prefill server out and when it routes again after the restart.
 """
@@ -231,7 +231,7 @@ def _router_with_prefill_dead(
     """A router straight in front of the (dead) prefill server and one decode
     server: the router's answer, what reached the decode server, when the router's
     health check took the prefill server out, and when it routed again after the
-    restart; the timings are returned (and printed, for the README)."""
+    restart; the timings are returned (and printed, for docs/serving.md)."""
     import openai
 
     prompt = _prompts(bs, seed=12)[0]
