@@ -48,9 +48,12 @@ class TailPolicy:
         trust_load_claims: skip an async load's tail zeroing on a bound,
             matching claim (``vouch_tails: trust`` only: the saving is a
             share of a launch D makes anyway).
-        trust_read_claims: skip a MoRIIO READ's tail zeroing on a bound,
-            matching claim (``trust``, or ``auto`` where READ tails are zeroed
-            per layer: 1.1-2.1 ms per step saved (benchmarks/RESULTS.md)).
+        trust_read_claims: mark a MoRIIO READ whose bound claim matches
+            (``trust``, or ``auto`` where READ tails may be zeroed per layer);
+            the worker skips its zeroing under ``trust``, and under ``auto``
+            only in a step whose READs are zeroed layer by layer (1.1-2.1 ms
+            per step saved, benchmarks/RESULTS.md), not where one launch at
+            start zeroes them all.
         digest_prompts: as a producer, digest each remote-decode prompt's KV
             in ``producer_hook`` and send the sums in its ``kvtail`` entry
             (``verify_kv: digest``).

@@ -601,7 +601,16 @@ class TailWorker:
         if not self._read_loads:
             return
         records, self._read_loads = self._read_loads, []
-        trusted = [r for r in records if r.vouched]
+        # Under "auto" a claim skips only the per-layer launches (0.32, the
+        # READs not all landed): where one launch zeroes every READ tail now,
+        # skipping saves a share of it, and the tail is zeroed (claim unused).
+        per_layer = not landed and self._by_layer is not None
+        trusted = [
+            r for r in records if r.vouched and (per_layer or self._policy.trust_load_claims)
+        ]
+        unused = [r for r in records if r.vouched and r not in trusted]
+        if unused and self._per_request:
+            self._stats.add("vouches_unused", sum(self._has_tail(r) for r in unused))
         if trusted:
             # READs copy the producer's blocks, zeroed at the source: no
             # per-layer launch and no work lines, only the bytes left alone
@@ -613,7 +622,7 @@ class TailWorker:
                 else 0
             )
             self._count_vouched(nbytes, trusted)
-            records = [r for r in records if not r.vouched]
+            records = [r for r in records if r not in trusted]
             if not records:
                 return
         by_layer = self._by_layer
