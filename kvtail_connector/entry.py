@@ -311,12 +311,17 @@ def measure(raw: Any, max_nodes: int) -> int | None:
 
 
 def read(
-    params: Mapping[str, Any] | None, limits: Limits = UNBOUNDED, *, digest: bool = True
+    params: Mapping[str, Any] | None,
+    limits: Limits = UNBOUNDED,
+    *,
+    digest: bool = True,
+    walk_digest: bool = False,
 ) -> Reading:
     """The entry in ``params``, bounded by ``limits``; with ``digest`` its
     ``dg`` too. Never raises: the params come from the network. Costs at most
     a walk of ``limits.max_nodes`` values and one strict parse of what
-    passed it."""
+    passed it. Without ``digest`` (and ``walk_digest``: a MAC over the whole
+    entry will be checked) the ``dg`` is neither walked nor parsed."""
     raw = params.get(KEY) if isinstance(params, Mapping) else None
     if raw is None:
         return Reading(None, "absent")
@@ -328,7 +333,12 @@ def read(
         if legacy is not None:
             return Reading(None, f"known-wrong producer {legacy}")
         return Reading(None, "unknown version")
-    if measure(raw, limits.max_nodes) is None:
+    walked = raw
+    if not (digest or walk_digest) and "dg" in raw:
+        if len(raw) > limits.max_nodes:
+            return Reading(None, "too large")
+        walked = {k: v for k, v in raw.items() if k != "dg"}
+    if measure(walked, limits.max_nodes) is None:
         return Reading(None, "too large")
     # Scheduler side only: the workers import this module without pydantic.
     from kvtail_connector.entry_wire import ValidationError, WireEntry

@@ -32,8 +32,8 @@ METRICS = {
     "vouches_declined": "Consumer: producer claims refused (malformed, too large, unknown or "
     "known-wrong producer version, not bound to this transfer, MAC missing or wrong, other "
     "geometry or length).",
-    "vouches_unused": "Consumer: valid, bound producer claims not used to skip zeroing (async "
-    "loads under vouch_tails auto: the tail was zeroed anyway).",
+    "vouches_unused": "Consumer: valid producer claims matching the load, not used to skip "
+    "zeroing (async loads under vouch_tails auto: the tail was zeroed anyway).",
     "false_vouches": "Consumer: vouched tails probe_stale_tails found non-zero (then zeroed).",
     "digests_sent": "Producer: remote-decode requests sent with a KV digest (verify_kv).",
     "digests_verified": "Consumer: async loads whose KV matched the producer's digest.",

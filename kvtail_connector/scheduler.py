@@ -112,8 +112,10 @@ class TailScheduler:
         # req_id -> (local computed tokens, load is async) from the latest
         # get_num_new_matched_tokens with a positive hit; consumed at alloc.
         self._matched: dict[str, tuple[int, bool]] = {}
-        # req_id -> (claim, expected digest) read by read_entry, taken at alloc.
+        # req_id -> (claim, expected digest) read by read_entry, taken at alloc;
+        # and every request's reading until it finishes (read once per request).
         self._entries: dict[str, tuple[int | None, ExpectedDigest | None]] = {}
+        self._entries_seen: dict[str, tuple[int | None, ExpectedDigest | None]] = {}
         self._pending: list[LoadRecord] = []
         # READ loads allocated this step: (request, blocks, local, loaded, the
         # prompt length a bound producer claim covers or None). Their records
@@ -167,15 +169,25 @@ class TailScheduler:
         matched = self._matched.get(request.request_id)
         if num_external_tokens <= 0 or matched is None:
             return
+        req_id = request.request_id
+        seen = self._entries_seen.get(req_id)
+        if seen is not None:  # allocated again (0.32's MoRIIO re-matches): counted once
+            self._entries[req_id] = seen
+            return
         load_async = matched[1]
-        claims = self._policy.check_claims and (
-            self._policy.zero_tails if load_async else self._policy.zero_read_tails
+        policy = self._policy
+        claims = policy.check_claims and (
+            policy.zero_tails if load_async else policy.zero_read_tails
         )
-        digest = load_async and self._policy.verify_loads
+        digest = load_async and policy.verify_loads
         if claims or digest:
-            self._entries[request.request_id] = self._read_entry(
-                request, claims=claims, digest=digest
+            # The binding (and MAC) only where something depends on them: a
+            # claim that can skip a zeroing, or a digest that can fail a load.
+            usable = claims and (
+                policy.trust_load_claims if load_async else policy.trust_read_claims
             )
+            found = self._read_entry(request, claims=claims, bind=usable or digest, digest=digest)
+            self._entries[req_id] = self._entries_seen[req_id] = found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After the inner ``update_state_after_alloc`` (called by the facade),
@@ -256,6 +268,7 @@ class TailScheduler:
         req_id = request.request_id
         self._matched.pop(req_id, None)
         self._entries.pop(req_id, None)
+        self._entries_seen.pop(req_id, None)
         self._producing.pop(req_id, None)
         claim = self._claims.pop(req_id, None)
         digested = self._digesting.pop(req_id, None)
@@ -358,6 +371,7 @@ class TailScheduler:
         """``on_new_request`` or ``request_finished`` failed: no claim for it."""
         self._matched.pop(req_id, None)
         self._entries.pop(req_id, None)
+        self._entries_seen.pop(req_id, None)
         self._producing.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._digesting.pop(req_id, None)
@@ -496,19 +510,23 @@ class TailScheduler:
             self._stats.add("digests_sent", 1)
 
     def _read_entry(
-        self, request: Any, *, claims: bool, digest: bool
+        self, request: Any, *, claims: bool, bind: bool, digest: bool
     ) -> tuple[int | None, ExpectedDigest | None]:
         """The producer's ``kvtail`` entry of ``request``, read once:
         ``(claim, expected)``. ``claim`` (with ``claims``): the prompt length a
-        zero-tail claim covers, where the entry is valid, bound to these
-        params, MAC-checked with a key, and made for this geometry; anything
-        else is counted in ``vouches_declined``. ``expected`` (with
-        ``digest``): the producer's digest of this prompt under the same
-        conditions; anything else is counted in ``digests_skipped``."""
+        zero-tail claim covers, where the entry is valid, made for this
+        geometry and (with ``bind``) bound to these params and MAC-checked
+        with a key; anything else is counted in ``vouches_declined``. Without
+        ``bind`` the claim can only be counted (``vouches_unused``), so the
+        binding, which walks every block id of the params, is not computed.
+        ``expected`` (with ``digest``, which implies ``bind``): the producer's
+        digest of this prompt under the same conditions; anything else is
+        counted in ``digests_skipped``."""
         params = request.kv_transfer_params
-        reading = entry.read(params, self._limits, digest=digest)
+        # With a key the MAC covers the whole entry, dg included: walk it all.
+        reading = entry.read(params, self._limits, digest=digest, walk_digest=self._key is not None)
         found, why = reading.entry, reading.why
-        if found is not None:
+        if found is not None and bind:
             why = self._bound(found, reading.raw, params)
         claim = None
         if claims and why != "absent":
@@ -703,6 +721,7 @@ class TailScheduler:
         return (
             len(self._matched)
             + len(self._entries)
+            + len(self._entries_seen)
             + len(self._pending)
             + len(self._pending_reads)
             + len(self._in_flight)

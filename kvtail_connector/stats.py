@@ -79,8 +79,8 @@ class KVTailStats(KVConnectorStats):
     (requests sent with the claim) and ``producer_tail_bytes_zeroed`` on the
     producer; on the consumer ``vouched_tails`` and ``vouched_tail_bytes``
     (tails not zeroed: a bound claim on a path where claims are trusted),
-    ``vouches_unused`` (bound, matching claims on a path where they are not
-    trusted: the tail was zeroed anyway), ``vouches_declined`` (entries or
+    ``vouches_unused`` (valid claims matching the load on a path where claims
+    are not used, binding and MAC not computed: the tail was zeroed anyway), ``vouches_declined`` (entries or
     claims refused: malformed, too large, unknown or known-wrong producer,
     unbound or bound to another transfer, MAC missing or wrong with a key,
     other geometry or length) and ``false_vouches`` (the probe's canary).

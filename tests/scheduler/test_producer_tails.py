@@ -325,6 +325,27 @@ def test_by_default_a_valid_claim_is_checked_and_counted_but_the_tail_is_zeroed(
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
 
 
+def test_by_default_the_binding_is_not_computed_where_no_claim_can_be_used(sent, monkeypatch):
+    # Under auto an async load's claim is only counted: its binding, a walk of
+    # every block id in the params (milliseconds for a long prompt), and a MAC
+    # are not computed. With trust they are (the claim can skip a zeroing).
+    calls: list[int] = []
+    original = trust.binding
+
+    def counting(params: Any, max_nodes: int) -> Any:
+        calls.append(1)
+        return original(params, max_nodes)
+
+    monkeypatch.setattr(trust, "binding", counting)
+    copied = {**routed(sent), "remote_request_id": "another-request"}
+    h = _consume(copied)
+    assert calls == [] and h.tail_state == ZEROED
+    assert h.stats["vouches_unused"] == 1 and h.stats["vouches_declined"] == 0
+    h = _consume(copied, vouch_tails="trust")
+    assert calls == [1] and h.tail_state == ZEROED
+    assert h.stats["vouches_declined"] == 1 and h.stats["vouches_unused"] == 0
+
+
 def test_with_trust_a_vouched_tail_is_not_zeroed_and_is_counted(sent):
     h = _consume(routed(sent), vouch_tails="trust")
     assert h.tail_state == LEFT  # left as it arrived

@@ -361,3 +361,16 @@ def monkeypatch_parse():
     mp.setattr(entry_wire.WireEntry, "model_validate", spy)
     yield calls
     mp.undo()
+
+
+def test_without_the_digest_its_dg_is_neither_walked_nor_parsed():
+    # verify_kv off: a consumer reads the claim, not the digest; a dg too
+    # large to walk (or malformed) does not cost a walk nor void the claim.
+    wire = _wire(_entry())
+    wire["dg"] = {"g": {"0": {str(h): ["0" * 16] for h in range(100_000)}}}
+    params = {entry.KEY: wire}
+    assert entry.read(params, LIMITS).why == "too large"
+    reading = entry.read(params, LIMITS, digest=False)
+    assert reading.why == "ok" and reading.entry == _entry()
+    # A MAC covers the whole entry: with walk_digest the dg is bounded too.
+    assert entry.read(params, LIMITS, digest=False, walk_digest=True).why == "too large"
