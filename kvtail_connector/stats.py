@@ -80,7 +80,8 @@ class KVTailStats(KVConnectorStats):
     producer; on the consumer ``vouched_tails`` and ``vouched_tail_bytes``
     (tails not zeroed: a bound claim on a path where claims are trusted),
     ``vouches_unused`` (valid claims matching the load on a path where claims
-    are not used, binding and MAC not computed: the tail was zeroed anyway), ``vouches_declined`` (entries or
+    are not used, binding and MAC not computed: the tail was zeroed anyway),
+    ``vouches_declined`` (entries or
     claims refused: malformed, too large, unknown or known-wrong producer,
     unbound or bound to another transfer, MAC missing or wrong with a key,
     other geometry or length) and ``false_vouches`` (the probe's canary).
