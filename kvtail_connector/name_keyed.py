@@ -489,17 +489,25 @@ def _check_conv_state_layout(inner: _Inner, has_mamba: bool) -> None:
         return
     label = found[1]
     layout = _compat.conv_state_layout()
-    if layout != "DS":
-        raise ValueError(
-            f"{label} behind KVTailConnector: NIXL moves Mamba conv state only in the DS "
-            f"layout, and this process uses {layout}. vLLM's CPU platform picks DS only when "
-            "it sees a NIXL connector by name, and the wrapper could not set it before vLLM "
-            "did (it does so for an API server's --kv-transfer-config JSON on the command "
-            f"line). Set {CONV_STATE_LAYOUT_ENV}=DS in the environment of both the prefill "
-            "and the decode server (from Python: call "
-            "kvtail_connector.name_keyed.prepare_environment(kv_transfer_config) before "
-            "building the engine)."
+    if layout == "DS":
+        return
+    if _compat.platform_is_cpu():
+        why = (
+            "vLLM's CPU platform picks DS only when it sees a NIXL connector by name, and "
+            "the wrapper could not set it before vLLM did (it does so for an API server's "
+            "--kv-transfer-config JSON on the command line)"
         )
+    else:
+        # Not the wrapper's doing: vLLM picks DS by name on the CPU platform
+        # alone, so a plain NIXL pair of this model stops here too.
+        why = "vLLM picks DS for NIXL on the CPU platform only; a plain NIXL pair needs it too"
+    raise ValueError(
+        f"{label} behind KVTailConnector: NIXL moves Mamba conv state only in the DS "
+        f"layout, and this process uses {layout}; {why}. Set {CONV_STATE_LAYOUT_ENV}=DS in "
+        "the environment of both the prefill and the decode server (from Python: call "
+        "kvtail_connector.name_keyed.prepare_environment(kv_transfer_config) before "
+        "building the engine)."
+    )
 
 
 def check_start_up(

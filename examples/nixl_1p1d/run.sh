@@ -2,7 +2,11 @@
 # 1 prefill + 1 decode vLLM server on one GPU host (GPU 0 and GPU 1), NIXL
 # behind KVTailConnector, and vllm-router (pip install vllm-router) in front.
 #   MODEL=Qwen/Qwen3-Next-80B-A3B-Instruct examples/nixl_1p1d/run.sh
+# NIXL moves a Mamba/linear-attention hybrid's conv state only in the DS layout,
+# which vLLM picks by itself on CPU only: set it for both servers (models without
+# such layers ignore it).
 set -euo pipefail
+export VLLM_SSM_CONV_STATE_LAYOUT=${VLLM_SSM_CONV_STATE_LAYOUT:-DS}
 here=$(cd "$(dirname "$0")" && pwd)
 MODEL=${MODEL:?set MODEL to the model to serve}
 trap 'kill 0' EXIT INT TERM

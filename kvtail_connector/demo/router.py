@@ -119,11 +119,25 @@ class Router:
         while it does not answer."""
         try:
             with urllib.request.urlopen(f"{self.url}/readiness", timeout=5) as r:  # noqa: S310
-                return json.loads(r.read())
+                body = r.read()
         except urllib.error.HTTPError as e:  # 503 while a side has no healthy worker
-            return json.loads(e.read() or b"null")
-        except (OSError, ValueError):
+            try:
+                body = e.read()
+            except OSError:
+                return None
+        except OSError:
             return None
+        try:
+            state = json.loads(body or b"null")
+        except ValueError:
+            return None
+        return state if isinstance(state, dict) else None
+
+    def prefill_down(self) -> bool:
+        """The router answered and counts no healthy prefill server (its health
+        check took it out); no answer is not an answer."""
+        state = self.readiness()
+        return state is not None and (state.get("prefill") or {}).get("healthy") == 0
 
     def ready(self) -> bool:
         state = self.readiness()

@@ -299,6 +299,23 @@ def test_worker_refuses_a_layout_nixl_cannot_move(case, layout) -> None:
     )
 
 
+def test_off_cpu_the_refusal_does_not_blame_the_wrapper(layout, monkeypatch) -> None:
+    """On GPUs vLLM never picks DS by name, so a plain NIXL pair of a hybrid
+    stops at NIXL's assert too: the message says so, not that the wrapper
+    failed to apply a rule."""
+    layout("SD")
+    vllm_config = _wrapper_config(NIXL_CASES["nixl"], mamba_cache_mode="none")
+    check = name_keyed.check_start_up
+    with pytest.raises(ValueError) as on_cpu:
+        check(vllm_config, _inner(vllm_config), "backend", has_mamba=True, is_worker=True)
+    monkeypatch.setattr(_compat, "platform_is_cpu", lambda: False)
+    with pytest.raises(ValueError) as on_gpu:
+        check(vllm_config, _inner(vllm_config), "backend", has_mamba=True, is_worker=True)
+    assert "CPU platform picks DS only when" in str(on_cpu.value)
+    assert "a plain NIXL pair needs it too" in str(on_gpu.value)
+    assert f"Set {LAYOUT}=DS in the environment" in str(on_gpu.value)
+
+
 # ------------------------------------------------------------- routed experts
 
 

@@ -241,7 +241,7 @@ def _router_with_prefill_dead(
     first = send(openai_client(router.url), prompt, MAX_TOKENS)
     err = first.error
     assert isinstance(err, openai.APIStatusError) and err.status_code in (500, 503), repr(err)
-    wait_until(lambda: not router.ready(), 60, f"router {router.name}: prefill server down")
+    wait_until(router.prefill_down, 60, f"router {router.name}: prefill server down")
     down_s = time.monotonic() - t0
     later = send(openai_client(router.url), prompt, MAX_TOKENS).error
     assert isinstance(later, openai.APIStatusError) and later.status_code == 503, repr(later)
