@@ -481,8 +481,11 @@ def check(args: argparse.Namespace) -> int:
         if args.tag != f"v{version}":
             fail(f"tag {args.tag} does not name the package version {version} (want v{version})")
         changelog = (ROOT / "CHANGELOG.md").read_text()
-        if not re.search(rf"^## \[{re.escape(version)}\]", changelog, re.M):
-            fail(f"CHANGELOG.md has no '## [{version}]' section for the release {args.tag}")
+        if not re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d\d-\d\d$", changelog, re.M):
+            fail(
+                f"CHANGELOG.md has no dated '## [{version}] - YYYY-MM-DD' section for the "
+                f"release {args.tag} (an 'unreleased' heading is not a release)"
+            )
 
     with tempfile.TemporaryDirectory(prefix="kvtail-package-check-") as tmp_name:
         tmp = Path(tmp_name)
