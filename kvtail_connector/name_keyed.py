@@ -308,7 +308,8 @@ def wrapped_configs(kv_transfer_config: Mapping[str, Any]) -> list[dict[str, Any
         if isinstance(backend, str):
             inners.append(
                 {
-                    "kv_connector": backend,
+                    # As KVTailConfig reads it: surrounding spaces dropped.
+                    "kv_connector": backend.strip(),
                     "kv_connector_extra_config": _as_dict(extra.get("backend_extra_config")) or {},
                 }
             )

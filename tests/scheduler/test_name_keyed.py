@@ -236,6 +236,14 @@ def test_command_line_forms_and_platforms() -> None:
     assert name_keyed.environment_from_argv(["x", "--kv-transfer-config"], True) == {}
     plain = json.dumps(_nixl())  # vLLM sees this one itself
     assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", plain], True) == {}
+    # The backend as the wrapper's config reads it: surrounding spaces dropped.
+    padded = _wrapped(_nixl())
+    extra = padded["kv_connector_extra_config"]
+    extra["backend"] = f"  {extra['backend']} "
+    assert (
+        name_keyed.environment_from_argv(["x", "--kv-transfer-config", json.dumps(padded)], True)
+        == want
+    )
 
 
 def test_plugin_applies_the_command_line_layout(monkeypatch, clean_environ) -> None:
