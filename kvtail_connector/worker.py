@@ -338,8 +338,12 @@ class TailWorker:
         zero the records' tails now, before the forward, on the reference path
         (slow, exact, independent of the zeroer's kernels and work lines);
         otherwise a READ may still land over a zeroing, so nothing is zeroed
-        (the ERROR says so). Forget this step's READ work either way."""
+        (the ERROR says so). Forget this step's READ work either way, armed
+        or staged per layer too: left there, a later step would zero these
+        tails over KV written since."""
         self._read_loads = []
+        if self._by_layer is not None:
+            self._by_layer.reset()
         if not landed or self._released is not None:
             logger.error(
                 "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
@@ -354,6 +358,21 @@ class TailWorker:
                     tails=[(block, first)],
                     pages_per_block=cache_set.pages_per_block,
                 )
+
+    def contain_end_step(self) -> None:
+        """``end_step`` failed: drop the per-layer READ work left (never zeroed
+        in a later step, over KV written since); the ERROR names its requests."""
+        by_layer = self._by_layer
+        self._layer_probe = {}
+        if by_layer is None:
+            return
+        left = by_layer.owners_pending()
+        by_layer.reset()
+        if left:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (after the forward)",
+                ", ".join(sorted(left)),
+            )
 
     def _drop_producer_work(self) -> None:
         self._producer_tails = []
