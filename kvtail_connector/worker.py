@@ -454,10 +454,17 @@ class TailWorker:
                 results.finished_recving, results.failed_recving, inner
             )
         results = self._hold_zeroed(results, zeroed)
-        if self._digests is not None and self._policy.verify_loads:
-            results = self._hold_digested(results, self._digests)
+        digests = self._digests if self._policy.verify_loads else None
+        if digests is not None:
+            results = self._hold_digested(results, digests)
         if self._failing:
             results = self._report_failing(results, finished_req_ids)
+        # Returned to vLLM: a later failed pass need not report these again
+        # (until here, contain_transfer_results does).
+        if self._hold is not None:
+            self._hold.reported()
+        if digests is not None:
+            digests.reported()
         return results
 
     def _report_failing(
@@ -486,7 +493,10 @@ class TailWorker:
         every completion of this pass, and every completion held back, is
         reported failed (nothing proves their tails zeroed or their digests
         compared), after the zeroing launched so far has executed (vLLM may
-        hand the blocks to a new owner at once). State for them is dropped."""
+        hand the blocks to a new owner at once). So is every completion a
+        hold released in this pass before it failed: nothing else would ever
+        report it, and vLLM would wait for it forever (the holds keep them
+        until told they were reported). State for them is dropped."""
         event = self._last_zeroing
         if event is not None:
             event.synchronize()
