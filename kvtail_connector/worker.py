@@ -618,9 +618,11 @@ class TailWorker:
             # Before the zeroing launch (disjoint slots) and before the
             # scheduler can hand the blocks to a forward.
             self._digests.check_loads(checks)
-        self._count_tails(tails)
-        batches += self._check_vouched(vouched, vouched_records)
+        false, false_tails = self._check_vouched(vouched, vouched_records)
+        batches += false
         self._zero(batches)
+        # Counted once the launch returned: a failed one zeroed nothing.
+        self._count_tails(tails + false_tails)
         return {b.owner for b in batches if b.lines}
 
     def reads_started(self, landed: bool) -> None:
@@ -654,13 +656,13 @@ class TailWorker:
             return
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-            self._count_tails(sum(self._has_tail(r) for r in records))
             self._zero(batches)
+            self._count_tails(sum(self._has_tail(r) for r in records))
             return
         for r in records:
             by_layer.arm(r.req_id, self._tail_items(r))
-        self._count_tails(sum(self._has_tail(r) for r in records))
         by_layer.stage()
+        self._count_tails(sum(self._has_tail(r) for r in records))
 
     def layer_loaded(self, layer_name: str) -> None:
         """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
@@ -702,17 +704,20 @@ class TailWorker:
         nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
         return _Zeroing(owner, lines, nbytes)
 
-    def _check_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> list[_Zeroing]:
+    def _check_vouched(
+        self, batches: list[_Zeroing], records: list[LoadRecord]
+    ) -> tuple[list[_Zeroing], int]:
         """Vouched tails are not zeroed, only counted; with the probe on they are
         checked first, and those holding any non-zero byte are returned to be
-        zeroed and counted as zeroed tails (the producer's claim was false: a
-        WARNING and ``false_vouches``)."""
+        zeroed, with how many of them the caller counts as zeroed tails once
+        launched (the producer's claim was false: a WARNING and
+        ``false_vouches``)."""
         if not batches:
-            return []
+            return [], 0
         lined = [b for b in batches if b.lines]
         if not self._policy.probe or not lined:
             self._count_vouched(sum(b.nbytes for b in batches), records)
-            return []
+            return [], 0
         found = probe_items(
             self._sets,
             np.array([ln.item for b in lined for ln in b.lines], dtype=np.int64),
@@ -723,7 +728,7 @@ class TailWorker:
         self._count_vouched(sum(b.nbytes for b in batches if b.owner not in false), honest)
         if self._per_request:
             self._stats.add("probed_tails", sum(self._has_tail(r) for r in honest))
-        self._count_tails(sum(self._has_tail(r) for r in records if r.req_id in false))
+        false_tails = sum(self._has_tail(r) for r in records if r.req_id in false)
         for req_id in sorted(false):
             nonzero, nonfinite = found[req_id]
             logger.warning(
@@ -738,7 +743,7 @@ class TailWorker:
             # Counted once per request by the scheduler side, whichever rank
             # found it: reported in this step's worker metadata.
             self._false_vouches.extend(false)
-        return [b for b in lined if b.owner in false]
+        return [b for b in lined if b.owner in false], false_tails
 
     def _count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:
         self._stats.add("vouched_tail_bytes", nbytes)
@@ -760,8 +765,8 @@ class TailWorker:
                 [ln.item for b in batches for ln in b.lines],
                 [b.owner for b in batches for _ in b.lines],
             )
-        self._stats.add(counter, sum(b.nbytes for b in batches))
         zeroer.zero_lines(lines)
+        self._stats.add(counter, sum(b.nbytes for b in batches))  # launched
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
         self._last_zeroing = zeroer.last_launch_done
         logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
@@ -817,8 +822,8 @@ class TailWorker:
                 counts = self._layer_probe.setdefault(req_id, [0, 0])
                 counts[0] += nonzero
                 counts[1] += nonfinite
-        self._stats.add("tail_bytes_zeroed", by_layer.nbytes(work))
         by_layer.zero(work)
+        self._stats.add("tail_bytes_zeroed", by_layer.nbytes(work))  # launched
         self._last_zeroing = by_layer.last_launch_done
         if self._layer_probe and not by_layer.pending:
             # Every layer is done: one report per request, as for other tails.
