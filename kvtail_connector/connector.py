@@ -473,7 +473,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 exc,
                 "update_state_after_alloc",
                 (request.request_id,),
-                lambda: scheduler.contain_alloc(request),
+                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
             )
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         if not read:
@@ -485,7 +485,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 exc,
                 "update_state_after_alloc",
                 (request.request_id,),
-                lambda: scheduler.contain_alloc(request),
+                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
