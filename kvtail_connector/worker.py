@@ -233,6 +233,9 @@ class TailWorker:
         so completion costs a concatenation and a launch."""
         if meta.failing:
             self._failing.update(meta.failing)
+        # First: a READ cannot be reported failed and vLLM no longer zeroes its
+        # blocks, so a failure below (contain_bind) must not lose its tail.
+        self._read_loads.extend(meta.read_loads)
         for record in meta.loads:
             # Without registered caches (profiling, sleep mode) the lines are
             # built at completion instead.
@@ -242,7 +245,6 @@ class TailWorker:
             self._errors.track(
                 record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
             )
-        self._read_loads.extend(meta.read_loads)
         self._producer_tails.extend(meta.producer_tails)
         self._producer_digest_records.extend(meta.producer_digests)
 
@@ -304,8 +306,9 @@ class TailWorker:
 
     def contain_bind(self, meta: KVTailMetadata) -> None:
         """``bind`` failed: this step's async loads are reported failed when
-        they complete; its producer records are neither zeroed nor confirmed
-        (no claim: the consumer zeroes as after a plain producer)."""
+        they complete; its READ loads, kept first by ``bind``, are zeroed as
+        usual; its producer records are neither zeroed nor confirmed (no
+        claim: the consumer zeroes as after a plain producer)."""
         for record in meta.loads:
             self._failing.add(record.req_id)
             self._loads.pop(record.req_id, None)
