@@ -36,6 +36,9 @@ class CompletionHold:
 
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
+        # Released since the caller last said its results reached vLLM
+        # (:meth:`reported`): a failure in between must still report them.
+        self._unreported: set[str] = set()
 
     def withhold(self, req_ids: Iterable[str], failed: set[str], event: Any) -> None:
         for req_id in req_ids:
@@ -46,26 +49,36 @@ class CompletionHold:
         (after :data:`MAX_PASSES` passes, waited for)."""
         finished: set[str] = set()
         failed: set[str] = set()
-        for req_id, held in list(self._held.items()):
+        for req_id, held in self._held.items():
             held.passes += 1
             if not held.event.query():
                 if held.passes < MAX_PASSES:
                     continue
                 held.event.synchronize()
-            del self._held[req_id]
             finished.add(req_id)
             if held.failed:
                 failed.add(req_id)
+        # Removed only once every one is decided: if deciding raises, every
+        # completion is still held, for the caller's fallback to report.
+        for req_id in finished:
+            del self._held[req_id]
+        self._unreported.update(finished)
         return finished, failed
+
+    def reported(self) -> None:
+        """What :meth:`release` returned has reached vLLM."""
+        self._unreported.clear()
 
     def drain(self) -> tuple[set[str], set[str]]:
         """``(finished, failed)``: every held completion, after its zeroing
-        has executed (waited for)."""
+        has executed (waited for), and every one released since the last
+        :meth:`reported` (a failed pass never returned them to vLLM)."""
         for held in self._held.values():
             held.event.synchronize()
-        finished = set(self._held)
+        finished = set(self._held) | self._unreported
         failed = {r for r, h in self._held.items() if h.failed}
         self._held.clear()
+        self._unreported.clear()
         return finished, failed
 
     def __len__(self) -> int:

@@ -260,11 +260,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
-        if self._worker is not None and self._sync_read:
+        worker = self._worker
+        if worker is not None and self._sync_read:
             try:
-                self._worker.end_step()
+                worker.end_step()
             except Exception as exc:
-                self._guard.failed(exc, "clear_connector_metadata (READ tails)")
+                self._guard.failed(
+                    exc, "clear_connector_metadata (READ tails)", (), worker.contain_end_step
+                )
         self._inner.clear_connector_metadata()
         super().clear_connector_metadata()
 
@@ -470,7 +473,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 exc,
                 "update_state_after_alloc",
                 (request.request_id,),
-                lambda: scheduler.contain_alloc(request),
+                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
             )
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         if not read:
@@ -482,7 +485,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 exc,
                 "update_state_after_alloc",
                 (request.request_id,),
-                lambda: scheduler.contain_alloc(request),
+                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

@@ -7,6 +7,11 @@ exception of the wrapper's part goes to :meth:`Containment.failed`, which
 - re-raises it unchanged when it came from the inner connector (an inner
   method our code called, e.g. ``get_num_new_matched_tokens`` from
   ``TailScheduler``): it then propagates exactly as without the wrapper;
+- re-raises it unchanged when it is a device error (``torch.AcceleratorError``,
+  a ``RuntimeError`` starting "CUDA error" or "HIP error"): such an error is
+  sticky, it may surface first in our ``event.query()`` or ``synchronize()``,
+  and the device context is unusable for the inner connector and the model
+  alike, so the engine must fail as it would without the wrapper;
 - otherwise logs one ERROR naming the hook and the requests (the traceback
   the first time each hook fails, then one line), counts
   ``internal_errors``, and runs the hook's fail-safe fallback, whose own
@@ -16,8 +21,11 @@ What each hook's fallback does is the facade's choice, hook by hook: an async
 load the wrapper can no longer vouch for is reported in ``failed_recving`` (with
 its completion), so vLLM's ``kv_load_failure_policy`` applies (``recompute``:
 its blocks are dropped and the prompt computed locally; ``fail``: the request
-ends with an error); a producer request whose hook failed gets no claim (its
-consumer zeroes as after a plain producer).
+ends with an error); a MoRIIO READ (synchronous: it cannot be reported failed)
+keeps its tail zeroed by the workers, or by vLLM where the wrapper could not
+take its destinations out of vLLM's zero list, and the ERROR of a fallback
+names the READ tails left stale where neither holds; a producer request whose
+hook failed gets no claim (its consumer zeroes as after a plain producer).
 
 The normal path costs nothing: a ``try`` block is free in CPython 3.11, and
 the inner-or-ours test walks the traceback only once something was raised.
@@ -28,6 +36,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
+
+import torch
 
 from kvtail_connector.log import get_logger
 from kvtail_connector.stats import KVTailStats
@@ -82,7 +92,7 @@ class Containment:
         """Handle ``exc``, raised in ``hook``'s wrapper part: re-raise it if it
         is the inner connector's, else log, count and return ``fallback()``
         (``default`` where there is none, or it failed too)."""
-        if raised_by(exc, self._inner):
+        if raised_by(exc, self._inner) or is_device_error(exc):
             raise exc
         self._stats.add("internal_errors", 1)
         names = sorted(set(requests))
@@ -90,8 +100,10 @@ class Containment:
         self._traced.add(hook)
         logger.error(
             "KVTailConnector: internal error in %s (request(s): %s): %r. Contained: the engine "
-            "keeps running; affected loads are reported failed (kv_load_failure_policy applies) "
-            "and no producer claim is made for them. Please report this with the traceback%s.",
+            "keeps running; affected async loads are reported failed (kv_load_failure_policy "
+            "applies), MoRIIO READ tails are still zeroed by the wrapper or by vLLM (an ERROR "
+            "names any left stale), and no producer claim is made for them. Please report "
+            "this with the traceback%s.",
             hook,
             ", ".join(names) if names else "none identified",
             exc,
@@ -103,11 +115,27 @@ class Containment:
         try:
             return fallback()
         except Exception as again:  # the fallback is ours too: never let it out
+            if is_device_error(again):
+                raise
             self._stats.add("internal_errors", 1)
             logger.error(
                 "KVTailConnector: the fallback of %s failed too: %r", hook, again, exc_info=again
             )
             return default
+
+
+_ACCELERATOR_ERROR: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(torch, "AcceleratorError", None),) if isinstance(t, type)
+)
+_DEVICE_ERROR_PREFIXES = ("CUDA error", "HIP error")
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a device (CUDA/HIP) error: the context is
+    unusable from then on, whoever's call it surfaced in; never contained."""
+    if _ACCELERATOR_ERROR and isinstance(exc, _ACCELERATOR_ERROR):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_DEVICE_ERROR_PREFIXES)
 
 
 def safe_ids(items: Any) -> list[str]:

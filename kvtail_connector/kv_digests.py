@@ -121,6 +121,9 @@ class RankDigests:
         self.signature = _signature(self._sets, self.placement.tp_size)
         self._digesters: dict[tuple[int, bool], KVDigester] = {}
         self._held: dict[str, _Check] = {}
+        # Released since the caller last said its results reached vLLM
+        # (:meth:`reported`): a failure in between must still report them.
+        self._unreported: set[str] = set()
         self._verdicts: dict[str, str] = {}
 
     # -------------------------------------------------------------- producer
@@ -184,28 +187,39 @@ class RankDigests:
         as vLLM's ``failed_recving`` contract has it."""
         finished: set[str] = set()
         bad: set[str] = set()
-        for req_id, check in list(self._held.items()):
+        for req_id, check in self._held.items():
             check.passes += 1
             if check.event is not None and not check.event.query():
                 if check.passes < MAX_PASSES:
                     continue
                 check.event.synchronize()
-            del self._held[req_id]
             finished.add(req_id)
             verdict = self._compare(check)
             self._verdicts[req_id] = verdict
             if verdict == MISMATCH:
                 bad.add(req_id)
+        # Removed only once every one is compared: if a comparison raises,
+        # every load is still held, for the caller's fallback (drop_held).
+        for req_id in finished:
+            del self._held[req_id]
+        self._unreported.update(finished)
         return finished, bad
+
+    def reported(self) -> None:
+        """What :meth:`release` returned has reached vLLM."""
+        self._unreported.clear()
 
     def drop_held(self) -> set[str]:
         """Forget every held load, uncompared (after a contained internal
-        error: the caller reports them failed); returns their ids."""
+        error: the caller reports them failed); returns their ids, and those
+        released since the last :meth:`reported` (never returned to vLLM)."""
         held = set(self._held)
         for check in self._held.values():
             if check.event is not None:
                 check.event.synchronize()  # the digest kernel read the blocks
         self._held.clear()
+        held |= self._unreported
+        self._unreported.clear()
         for req_id in held:
             self._verdicts[req_id] = UNVERIFIED
         return held

@@ -98,24 +98,40 @@ class ReadTailsByLayer:
     def stage(self) -> None:
         """Turn what was armed into one launch per layer, put on the device
         with one copy per cache set: each layer then costs one kernel launch
-        when it lands."""
-        for set_index, armed in enumerate(self._armed):
-            if not armed:
-                continue
-            children = self._children[set_index]
-            blocks_firsts = [(block, first) for _, block, first in armed]
-            batch = _Armed(
-                blocks_firsts,
-                [owner for owner, _, _ in armed],
-                self.zeroer.stage_groups(children, blocks_firsts),
-            )
+        when it lands. All or nothing: the work becomes pending only once
+        every set is staged; if staging raises, nothing is pending and the
+        armed items are dropped (never zeroed a step later, over KV the step
+        in between wrote)."""
+        staged: list[tuple[list[int], _Armed]] = []
+        try:
+            for set_index, armed in enumerate(self._armed):
+                if not armed:
+                    continue
+                children = self._children[set_index]
+                blocks_firsts = [(block, first) for _, block, first in armed]
+                batch = _Armed(
+                    blocks_firsts,
+                    [owner for owner, _, _ in armed],
+                    self.zeroer.stage_groups(children, blocks_firsts),
+                )
+                staged.append((children, batch))
+        finally:
+            for armed in self._armed:
+                armed.clear()
+        for children, batch in staged:
             spans = batch.staged.spans
             self._work.update(
                 (self._names[child], LayerWork(batch, k, child))
                 for k, child in enumerate(children)
                 if spans[k] is not None
             )
+
+    def reset(self) -> None:
+        """Drop everything armed and pending (a contained failure: this step's
+        READ tails are not zeroed, and nothing of it is left for a later step)."""
+        for armed in self._armed:
             armed.clear()
+        self._work.clear()
 
     def nbytes(self, work: LayerWork) -> int:
         """Bytes ``work`` zeroes."""

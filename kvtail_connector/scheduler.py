@@ -192,10 +192,22 @@ class TailScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After the inner ``update_state_after_alloc`` (called by the facade),
         and after :meth:`read_entry` (called before it)."""
-        matched = self._matched.pop(request.request_id, None)
+        # Popped at the end: contain_alloc needs it if this raises.
+        matched = self._matched.get(request.request_id)
         claim, expected = self._entries.pop(request.request_id, (None, None))
-        if num_external_tokens <= 0 or matched is None:
-            return
+        if num_external_tokens > 0 and matched is not None:
+            self._after_alloc(request, blocks, num_external_tokens, matched, claim, expected)
+        self._matched.pop(request.request_id, None)
+
+    def _after_alloc(
+        self,
+        request: Any,
+        blocks: Any,
+        num_external_tokens: int,
+        matched: tuple[int, bool],
+        claim: int | None,
+        expected: ExpectedDigest | None,
+    ) -> None:
         local, load_async = matched
         if load_async:
             self._in_flight[request.request_id] = frozenset(
@@ -230,6 +242,7 @@ class TailScheduler:
         self._provisional.clear()
         exclude = self._policy.exclude_reads and bool(scheduler_output.new_block_ids_to_zero)
         read_loads: tuple[LoadRecord, ...] = ()
+        kept: list[int] | None = None  # vLLM's zero list without READ destinations
         if exclude or self._pending_reads:
             # request id -> every block its READ writes this step (all groups)
             reads = {
@@ -237,7 +250,7 @@ class TailScheduler:
                 for req_id, per_group in self._adapter.read_destinations(inner_meta)
             }
             if exclude:
-                self._drop_read_destinations(scheduler_output, reads)
+                kept = self._without_read_destinations(scheduler_output, reads)
             if self._pending_reads:
                 read_loads = self._read_records(scheduler_output.num_scheduled_tokens, reads)
         producer: tuple[LoadRecord, ...] = ()
@@ -260,6 +273,10 @@ class TailScheduler:
                 len(producer),
             )
         self._pending.clear()
+        if kept is not None:
+            # Last: should anything above raise, vLLM's zero list is untouched
+            # and it zeroes the READ destinations as without the wrapper.
+            scheduler_output.new_block_ids_to_zero = kept
         return meta
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
@@ -334,12 +351,24 @@ class TailScheduler:
         self._failing.clear()
         return failing
 
-    def contain_alloc(self, request: Any) -> None:
-        """``update_state_after_alloc`` failed: the load may have no record;
-        the workers report it failed when it completes."""
-        self._matched.pop(request.request_id, None)
-        self._entries.pop(request.request_id, None)
-        self._failing.append(request.request_id)
+    def contain_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc`` failed: the load may have no record.
+        An async load is reported failed by the workers when it completes
+        (and counted in ``failed_loads``: tracked in flight). A synchronous
+        READ never completes in ``finished_recving`` and its destinations
+        leave vLLM's zero list: it stays a pending READ, without a claim
+        (the entry is not read again), so its tail is still zeroed."""
+        req_id = request.request_id
+        matched = self._matched.pop(req_id, None)
+        self._entries.pop(req_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return  # no load the wrapper would have recorded
+        if matched[1]:
+            self._in_flight.setdefault(req_id, frozenset())
+            self._failing.append(req_id)
+        elif self._policy.zero_read_tails:
+            local = matched[0]
+            self._pending_reads.append((request, blocks, local, local + num_external_tokens, None))
 
     @property
     def pending_loads(self) -> list[str]:
@@ -700,20 +729,25 @@ class TailScheduler:
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))
 
-    def _drop_read_destinations(self, scheduler_output: Any, reads: dict[str, set[int]]) -> None:
-        """Synchronous READs overwrite their destination blocks; zeroing them too
-        can land after the RDMA READ. vLLM allows a sync READ connector to drop
-        them (KVConnectorBase_V1.build_connector_meta); do it for every group."""
+    def _without_read_destinations(
+        self, scheduler_output: Any, reads: dict[str, set[int]]
+    ) -> list[int] | None:
+        """vLLM's zero list without the READ destinations (None: nothing to
+        drop); the caller sets it. Synchronous READs overwrite their
+        destination blocks; zeroing them too can land after the RDMA READ.
+        vLLM allows a sync READ connector to drop them
+        (KVConnectorBase_V1.build_connector_meta); do it for every group."""
         dests = set().union(*reads.values())
         if not dests:
-            return
+            return None
         before = scheduler_output.new_block_ids_to_zero
         kept = [b for b in before if b not in dests]
         removed = len(before) - len(kept)
-        if removed:
-            scheduler_output.new_block_ids_to_zero = kept
-            self._stats.add("read_blocks_exempted", removed)
-            logger.debug("kvtail: %d READ destination block(s) kept from zeroing", removed)
+        if not removed:
+            return None
+        self._stats.add("read_blocks_exempted", removed)
+        logger.debug("kvtail: %d READ destination block(s) kept from zeroing", removed)
+        return kept
 
     @property
     def num_tracked(self) -> int:

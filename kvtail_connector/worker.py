@@ -233,6 +233,9 @@ class TailWorker:
         so completion costs a concatenation and a launch."""
         if meta.failing:
             self._failing.update(meta.failing)
+        # First: a READ cannot be reported failed and vLLM no longer zeroes its
+        # blocks, so a failure below (contain_bind) must not lose its tail.
+        self._read_loads.extend(meta.read_loads)
         for record in meta.loads:
             # Without registered caches (profiling, sleep mode) the lines are
             # built at completion instead.
@@ -242,7 +245,6 @@ class TailWorker:
             self._errors.track(
                 record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
             )
-        self._read_loads.extend(meta.read_loads)
         self._producer_tails.extend(meta.producer_tails)
         self._producer_digest_records.extend(meta.producer_digests)
 
@@ -304,8 +306,9 @@ class TailWorker:
 
     def contain_bind(self, meta: KVTailMetadata) -> None:
         """``bind`` failed: this step's async loads are reported failed when
-        they complete; its producer records are neither zeroed nor confirmed
-        (no claim: the consumer zeroes as after a plain producer)."""
+        they complete; its READ loads, kept first by ``bind``, are zeroed as
+        usual; its producer records are neither zeroed nor confirmed (no
+        claim: the consumer zeroes as after a plain producer)."""
         for record in meta.loads:
             self._failing.add(record.req_id)
             self._loads.pop(record.req_id, None)
@@ -338,8 +341,12 @@ class TailWorker:
         zero the records' tails now, before the forward, on the reference path
         (slow, exact, independent of the zeroer's kernels and work lines);
         otherwise a READ may still land over a zeroing, so nothing is zeroed
-        (the ERROR says so). Forget this step's READ work either way."""
+        (the ERROR says so). Forget this step's READ work either way, armed
+        or staged per layer too: left there, a later step would zero these
+        tails over KV written since."""
         self._read_loads = []
+        if self._by_layer is not None:
+            self._by_layer.reset()
         if not landed or self._released is not None:
             logger.error(
                 "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
@@ -354,6 +361,21 @@ class TailWorker:
                     tails=[(block, first)],
                     pages_per_block=cache_set.pages_per_block,
                 )
+
+    def contain_end_step(self) -> None:
+        """``end_step`` failed: drop the per-layer READ work left (never zeroed
+        in a later step, over KV written since); the ERROR names its requests."""
+        by_layer = self._by_layer
+        self._layer_probe = {}
+        if by_layer is None:
+            return
+        left = by_layer.owners_pending()
+        by_layer.reset()
+        if left:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (after the forward)",
+                ", ".join(sorted(left)),
+            )
 
     def _drop_producer_work(self) -> None:
         self._producer_tails = []
@@ -435,10 +457,17 @@ class TailWorker:
                 results.finished_recving, results.failed_recving, inner
             )
         results = self._hold_zeroed(results, zeroed)
-        if self._digests is not None and self._policy.verify_loads:
-            results = self._hold_digested(results, self._digests)
+        digests = self._digests if self._policy.verify_loads else None
+        if digests is not None:
+            results = self._hold_digested(results, digests)
         if self._failing:
             results = self._report_failing(results, finished_req_ids)
+        # Returned to vLLM: a later failed pass need not report these again
+        # (until here, contain_transfer_results does).
+        if self._hold is not None:
+            self._hold.reported()
+        if digests is not None:
+            digests.reported()
         return results
 
     def _report_failing(
@@ -467,7 +496,10 @@ class TailWorker:
         every completion of this pass, and every completion held back, is
         reported failed (nothing proves their tails zeroed or their digests
         compared), after the zeroing launched so far has executed (vLLM may
-        hand the blocks to a new owner at once). State for them is dropped."""
+        hand the blocks to a new owner at once). So is every completion a
+        hold released in this pass before it failed: nothing else would ever
+        report it, and vLLM would wait for it forever (the holds keep them
+        until told they were reported). State for them is dropped."""
         event = self._last_zeroing
         if event is not None:
             event.synchronize()
@@ -589,9 +621,11 @@ class TailWorker:
             # Before the zeroing launch (disjoint slots) and before the
             # scheduler can hand the blocks to a forward.
             self._digests.check_loads(checks)
-        self._count_tails(tails)
-        batches += self._check_vouched(vouched, vouched_records)
+        false, false_tails = self._check_vouched(vouched, vouched_records)
+        batches += false
         self._zero(batches)
+        # Counted once the launch returned: a failed one zeroed nothing.
+        self._count_tails(tails + false_tails)
         return {b.owner for b in batches if b.lines}
 
     def reads_started(self, landed: bool) -> None:
@@ -634,13 +668,13 @@ class TailWorker:
             return
         if landed or by_layer is None:
             batches = [self._zeroing(r.req_id, self._tail_items(r)) for r in records]
-            self._count_tails(sum(self._has_tail(r) for r in records))
             self._zero(batches)
+            self._count_tails(sum(self._has_tail(r) for r in records))
             return
         for r in records:
             by_layer.arm(r.req_id, self._tail_items(r))
-        self._count_tails(sum(self._has_tail(r) for r in records))
         by_layer.stage()
+        self._count_tails(sum(self._has_tail(r) for r in records))
 
     def layer_loaded(self, layer_name: str) -> None:
         """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
@@ -682,17 +716,20 @@ class TailWorker:
         nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
         return _Zeroing(owner, lines, nbytes)
 
-    def _check_vouched(self, batches: list[_Zeroing], records: list[LoadRecord]) -> list[_Zeroing]:
+    def _check_vouched(
+        self, batches: list[_Zeroing], records: list[LoadRecord]
+    ) -> tuple[list[_Zeroing], int]:
         """Vouched tails are not zeroed, only counted; with the probe on they are
         checked first, and those holding any non-zero byte are returned to be
-        zeroed and counted as zeroed tails (the producer's claim was false: a
-        WARNING and ``false_vouches``)."""
+        zeroed, with how many of them the caller counts as zeroed tails once
+        launched (the producer's claim was false: a WARNING and
+        ``false_vouches``)."""
         if not batches:
-            return []
+            return [], 0
         lined = [b for b in batches if b.lines]
         if not self._policy.probe or not lined:
             self._count_vouched(sum(b.nbytes for b in batches), records)
-            return []
+            return [], 0
         found = probe_items(
             self._sets,
             np.array([ln.item for b in lined for ln in b.lines], dtype=np.int64),
@@ -703,7 +740,7 @@ class TailWorker:
         self._count_vouched(sum(b.nbytes for b in batches if b.owner not in false), honest)
         if self._per_request:
             self._stats.add("probed_tails", sum(self._has_tail(r) for r in honest))
-        self._count_tails(sum(self._has_tail(r) for r in records if r.req_id in false))
+        false_tails = sum(self._has_tail(r) for r in records if r.req_id in false)
         for req_id in sorted(false):
             nonzero, nonfinite = found[req_id]
             logger.warning(
@@ -718,7 +755,7 @@ class TailWorker:
             # Counted once per request by the scheduler side, whichever rank
             # found it: reported in this step's worker metadata.
             self._false_vouches.extend(false)
-        return [b for b in lined if b.owner in false]
+        return [b for b in lined if b.owner in false], false_tails
 
     def _count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:
         self._stats.add("vouched_tail_bytes", nbytes)
@@ -740,8 +777,8 @@ class TailWorker:
                 [ln.item for b in batches for ln in b.lines],
                 [b.owner for b in batches for _ in b.lines],
             )
-        self._stats.add(counter, sum(b.nbytes for b in batches))
         zeroer.zero_lines(lines)
+        self._stats.add(counter, sum(b.nbytes for b in batches))  # launched
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
         self._last_zeroing = zeroer.last_launch_done
         logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
@@ -797,8 +834,8 @@ class TailWorker:
                 counts = self._layer_probe.setdefault(req_id, [0, 0])
                 counts[0] += nonzero
                 counts[1] += nonfinite
-        self._stats.add("tail_bytes_zeroed", by_layer.nbytes(work))
         by_layer.zero(work)
+        self._stats.add("tail_bytes_zeroed", by_layer.nbytes(work))  # launched
         self._last_zeroing = by_layer.last_launch_done
         if self._layer_probe and not by_layer.pending:
             # Every layer is done: one report per request, as for other tails.

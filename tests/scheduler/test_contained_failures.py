@@ -1,0 +1,341 @@
+"""What a contained failure leaves behind (issue 18, review of item 2).
+
+Each test injects a fault into the wrapper's own code where a review found a
+contained failure that still lost data, hung a request, or counted work that
+never ran, and runs the facade's fallback as the facade does
+(:class:`~kvtail_connector.containment.Containment`): a failed call leaves no
+per-step state for a later step to act on, every completion taken out of a
+hold in a failed pass still reaches vLLM (reported failed), counters count only
+launches that returned, and a device error is never contained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.v1.request import RequestStatus
+
+from kvtail_connector import entry
+from kvtail_connector import kv_digests as kv_digests_mod
+from kvtail_connector.containment import Containment
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.ops import KVZeroer
+from tests.helpers.lifecycle import Harness
+from tests.helpers.vllm_factories import make_kv_cache_config
+from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker
+from tests.scheduler.test_containment import (
+    LAYERS,
+    Injected,
+    _assert_clean_load_zeroed,
+    _assert_recomputed,
+    _inject_once,
+    _load,
+    _slot_bytes,
+)
+from tests.scheduler.test_kv_digest import (  # noqa: F401  (sent: a fixture)
+    PROMPT,
+    _LateEvent,
+    consumer,
+    routed,
+    run_step,
+    sent,
+    transfer,
+)
+from tests.scheduler.test_read_tails import LAYERS as READ_LAYERS
+from tests.scheduler.test_read_tails import setup  # noqa: F401  (a fixture)
+
+
+def _guard(worker: Any) -> Containment:
+    """The facade's guard around ``worker`` (no inner connector's frames)."""
+    return Containment(object(), worker._stats)
+
+
+# ------------------------------------------------ 1. per-layer READ tails
+
+
+def _reads_started_contained(worker: Any, landed: bool = False) -> None:
+    """The facade's start_load_kv: reads_started, contain_reads on failure."""
+    reads = worker.read_loads
+    try:
+        worker.reads_started(landed)
+    except Exception as exc:
+        _guard(worker).failed(
+            exc, "start_load_kv (READ tails)", (), lambda: worker.contain_reads(reads, landed)
+        )
+
+
+def _decode_then_next_read(s: Any) -> None:
+    """Step k's forward: request a decodes into block 6, slots 5..7 (valid KV);
+    step k+1: one new READ load c (block 7, tail from slot 2), landed per layer."""
+    for name in READ_LAYERS:
+        s.caches.views[name][6, :, 5:8] = 1.0
+    c = LoadRecord("c", 0, 2, (GroupLoad(0, 0, (7,)),))
+    s.worker.bind(KVTailMetadata(inner=None, read_loads=(c,)))  # type: ignore[arg-type]
+    s.worker.reads_started(landed=False)
+    for name in READ_LAYERS:
+        s.worker.layer_loaded(name)
+    s.worker.end_step()
+
+
+def test_a_failed_read_staging_leaves_nothing_for_the_next_step(setup, monkeypatch):  # noqa: F811
+    s = setup
+    _inject_once(monkeypatch, s.worker._by_layer, "stage")
+    _reads_started_contained(s.worker)  # step k: a and b armed, staging fails
+    assert s.stats.data["internal_errors"] == 1
+    assert s.worker.num_tracked == 0
+    _decode_then_next_read(s)
+    for name in READ_LAYERS:
+        # a's decode of step k kept; c's tail zeroed as usual.
+        assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
+        assert not s.caches.views[name][7, :, 2:].any(), name
+
+
+def test_a_failed_end_step_leaves_no_layer_work_behind(setup, monkeypatch):  # noqa: F811
+    s = setup
+    s.worker.reads_started(landed=False)
+    s.worker.layer_loaded(READ_LAYERS[0])  # the other layers' waits never ran
+    _inject_once(monkeypatch, s.worker._by_layer, "zero")
+    try:
+        s.worker.end_step()
+    except Exception as exc:
+        _guard(s.worker).failed(exc, "clear_connector_metadata", (), s.worker.contain_end_step)
+    assert s.stats.data["internal_errors"] == 1
+    assert s.worker.num_tracked == 0
+    _decode_then_next_read(s)
+    for name in READ_LAYERS:
+        assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
+
+
+def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):
+    # One async load and one READ in the same step; bind fails on the async one.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    worker = make_tail_worker(kv)
+    worker.register_kv_caches(caches.views, kv)
+    meta = KVTailMetadata(
+        inner=None,  # type: ignore[arg-type]
+        loads=(LoadRecord("async", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),),
+        read_loads=(LoadRecord("read", 0, 21, (GroupLoad(0, 0, (3, 4)),)),),
+    )
+    _inject_once(monkeypatch, worker._errors, "track")
+    try:
+        worker.bind(meta)
+    except Exception as exc:
+        _guard(worker).failed(exc, "bind_connector_metadata", (), lambda: worker.contain_bind(meta))
+    views = list(caches.views.values())
+    for view in views:
+        view[4] = 1.0  # the READ lands: the producer's whole block 4, tail included
+    _reads_started_contained(worker, landed=True)
+    for view in views:
+        assert bool((view[4, :, :5] == 1.0).all()) and not view[4, :, 5:].any()
+    assert worker._stats.data["internal_errors"] == 1
+    assert worker._stats.data["tails_zeroed"] == 1
+
+
+# ------------------------------------------------ 2. completions held back
+
+
+def test_a_failing_digest_comparison_still_reports_the_load(sent, monkeypatch):  # noqa: F811
+    def boom(self: Any, check: Any) -> str:
+        raise Injected("injected into RankDigests._compare")
+
+    monkeypatch.setattr(kv_digests_mod.RankDigests, "_compare", boom)
+    real = kv_digests_mod.KVDigester.digest
+
+    def late(self: Any, requests: Any) -> Any:
+        pending = real(self, requests)
+        pending.event = _LateEvent(after=2)  # on the host 2 passes after the load
+        return pending
+
+    monkeypatch.setattr(kv_digests_mod.KVDigester, "digest", late)
+    p, params = sent
+    d = consumer()
+    d.add(
+        "c1",
+        PROMPT,
+        double_load_tokens=PROMPT,
+        double_finish_after_steps=2,
+        **routed(params, params[entry.KEY]),
+    )
+    run_step(d.scheduler, d.worker)
+    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
+    waiting = []
+    for _ in range(4):
+        run_step(d.scheduler, d.worker)
+        waiting.append(d.scheduler.requests["c1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    # Released (reported failed) in the pass whose comparison raised, then
+    # recomputed by vLLM (kv_load_failure_policy: recompute). Before: held forever.
+    assert waiting == [True, True, True, False]
+    d.finish()
+    assert d.stats["internal_errors"] == 1 and d.stats["failed_loads"] == 1
+    assert d.stats["digests_verified"] == 0
+
+
+class _Event:
+    """A CUDA event stand-in: fires when the test says so."""
+
+    done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypatch):
+    event = _Event()
+    monkeypatch.setattr(KVZeroer, "last_launch_done", property(lambda self: event))
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    worker = make_tail_worker(kv, hold_completions=True)
+    worker.register_kv_caches(caches.views, kv)
+    loads = (
+        LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),
+        LoadRecord("b", 0, 21, (GroupLoad(0, 0, (3, 4)),)),
+    )
+    worker.bind(KVTailMetadata(inner=None, loads=loads))  # type: ignore[arg-type]
+    hold_zeroed = worker._hold_zeroed
+    passes = []
+
+    def release_then_fail(*args: Any) -> Any:
+        out = hold_zeroed(*args)
+        passes.append(out.finished_recving)
+        if len(passes) == 2:
+            raise Injected("after the hold released")
+        return out
+
+    monkeypatch.setattr(worker, "_hold_zeroed", release_then_fail)
+
+    def transfer_results(finished: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults(finished_recving=finished, failed_recving=set())
+        try:
+            return worker.transfer_results(results, set(), ErrorSource())
+        except Exception as exc:
+            out = _guard(worker).failed(
+                exc,
+                "get_transfer_results",
+                (),
+                lambda: worker.contain_transfer_results(results, set()),
+            )
+            assert out is not None
+            return out
+
+    assert transfer_results({"a"}).finished_recving == set()  # held: not executed yet
+    event.done = True
+    out = transfer_results({"b"})  # a (and b) released by the hold, then the pass fails
+    assert passes[1] == {"a", "b"}
+    assert out.finished_recving == {"a", "b"} and out.failed_recving == {"a", "b"}
+    assert worker.num_tracked == 0
+    assert worker._stats.data["internal_errors"] == 1
+
+
+# ------------------------------------------------ 4. counters
+
+
+def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
+    h = Harness("always")
+    _inject_once(monkeypatch, h.worker._worker._zeroer, "zero_lines")
+    _load(h, "r1")
+    h.step()  # the launch raises: r1 reported failed
+    _assert_recomputed(h, "r1")
+    _assert_clean_load_zeroed(h, "r2")
+    h.finish()
+    view = h.caches.views[LAYERS[0]]
+    assert h.stats["internal_errors"] == 1 and h.stats["failed_loads"] == 1
+    assert h.stats["tails_zeroed"] == 1  # r2 only
+    assert h.stats["tail_bytes_zeroed"] == 10 * len(LAYERS) * _slot_bytes(view)
+
+
+# ------------------------------------------------ 5. failed loads counted
+
+
+@pytest.mark.parametrize("method", ["_read_entry", "_written_blocks"])
+def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
+    # _read_entry: read_entry fails, the scheduler's update never runs;
+    # _written_blocks: the update fails before the load is tracked in flight.
+    h = Harness("always")
+    _inject_once(monkeypatch, h.scheduler.connector._scheduler, method)
+    _load(h, "r1")
+    h.step()
+    _assert_recomputed(h, "r1")
+    h.finish()
+    assert h.stats["internal_errors"] == 1
+    assert h.stats["failed_loads"] == 1
+
+
+# ------------------------------------------------ 6. device errors
+
+
+def _device_errors() -> list[BaseException]:
+    errors: list[BaseException] = [
+        RuntimeError("CUDA error: an illegal memory access was encountered")
+    ]
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None:
+        errors.append(accelerator("CUDA error: an illegal memory access was encountered"))
+    return errors
+
+
+class _BrokenEvent:
+    """A CUDA event whose context is gone: every call raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def query(self) -> bool:
+        raise self.error
+
+    def synchronize(self) -> None:
+        raise self.error
+
+
+@pytest.mark.parametrize("error", _device_errors(), ids=lambda e: type(e).__name__)
+def test_a_device_error_in_the_fence_is_not_contained(error):
+    h = Harness("always")
+    h.worker._worker._last_zeroing = _BrokenEvent(error)
+    with pytest.raises(type(error)) as caught:
+        h.step()  # start_load_kv: the fence queries the event
+    assert caught.value is error
+    assert h.stats["internal_errors"] == 0
+
+
+def test_another_error_in_the_fence_is_contained():
+    h = Harness("always")
+    h.worker._worker._last_zeroing = _BrokenEvent(RuntimeError("not a device error"))
+    h.step()
+    h.worker.get_kv_connector_stats()
+    assert h.stats["internal_errors"] == 1
+
+
+@pytest.mark.parametrize("error", _device_errors(), ids=lambda e: type(e).__name__)
+def test_a_device_error_in_a_fallback_is_not_contained(error):
+    # get_transfer_results' fallback waits for the zeroing launched so far.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    worker = make_tail_worker(kv)
+    worker.register_kv_caches(allocate(kv).views, kv)
+    worker._last_zeroing = _BrokenEvent(error)
+    results = KVConnectorTransferResults(finished_recving={"a"})
+    with pytest.raises(type(error)) as caught:
+        _guard(worker).failed(
+            Injected("ours"),
+            "get_transfer_results",
+            (),
+            lambda: worker.contain_transfer_results(results, set()),
+        )
+    assert caught.value is error
+    assert worker._stats.data["internal_errors"] == 1  # the first failure: ours, counted
+
+
+def test_device_errors_are_told_from_others():
+    from kvtail_connector.containment import is_device_error
+
+    for error in _device_errors():
+        assert is_device_error(error)
+    assert is_device_error(RuntimeError("HIP error: an illegal memory access"))
+    assert not is_device_error(RuntimeError("injected"))
+    assert not is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not is_device_error(ValueError("CUDA error: not a RuntimeError"))
