@@ -130,7 +130,8 @@ def test_the_demo_reports_a_failed_decode_instead_of_reading_blocks_it_never_had
     )
     assert kv.attn_block_size == BS
     prompt = make_prompt(PROMPT, seed=1)
-    prefill = _Engine(kv, GenResult("0", "0-x", prompt, [5], {"remote_block_ids": [[1, 2]]}, None, []))
+    produced = GenResult("0", "0-x", prompt, [5], {"remote_block_ids": [[1, 2]]}, None, [])
+    prefill = _Engine(kv, produced)
     decode = _Engine(
         kv,
         GenResult(
