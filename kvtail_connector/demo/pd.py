@@ -106,6 +106,12 @@ class PDResult:
     attn_block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
+    def decode_failed(self) -> bool:
+        """The decode request ended without computing its prompt (``finish_reason``
+        "error": its KV load failed and the engine's policy is "fail")."""
+        return self.decode.finish_reason not in ("length", "stop")
+
+    @property
     def hit(self) -> int | None:
         """Tokens the decode engine's connector reported it would load (first lookup)."""
         hits = self.decode.connector_hits
@@ -281,6 +287,17 @@ class PDPair:
         kvtail = {k: v - counters.get(k, 0) for k, v in after.items()}
 
         decode_blocks = self.kv.attn_ids(dec.block_ids) if dec.block_ids else None
+        if dec.finish_reason not in ("length", "stop"):
+            # It never computed its prompt (its load failed under the engines'
+            # kv_load_failure_policy "fail"): its last allocation was the load's,
+            # whose blocks cover the loaded tokens only. No KV facts to read.
+            decode_blocks = None
+        elif decode_blocks and len(decode_blocks) < -(-len(prompt) // bs):
+            raise RuntimeError(
+                f"decode request {dec.engine_request_id} finished ({dec.finish_reason}) "
+                f"with {len(decode_blocks)} attention blocks recorded for a prompt of "
+                f"{len(prompt)} tokens in {bs}-token blocks"
+            )
         last_nan = total_nan = None
         if decode_blocks and "error" not in self.kv.attn_layers:  # slot views exist
             counts = self.decode.slot_nan_counts(decode_blocks)

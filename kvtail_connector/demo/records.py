@@ -49,6 +49,9 @@ class GenResult:
     kv_transfer_params: dict[str, Any] | None
     block_ids: list[list[int]] | None  # per KV cache group, as allocated by the scheduler
     connector_hits: list[dict[str, Any]]  # each get_num_new_matched_tokens call for it
+    # "length" or "stop": it computed its prompt; "error": it ended before (e.g. its
+    # KV load failed under kv_load_failure_policy "fail"), block_ids not the prompt's.
+    finish_reason: str | None = None
 
 
 @dataclass

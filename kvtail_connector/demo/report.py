@@ -40,6 +40,8 @@ def _num(v: int | None) -> str:
 def _cells(r: Row) -> tuple[str, ...]:
     if r.output_ok:
         output = "yes"
+    elif r.decode_failed_log is not None:
+        output = "NO: load failed, request ended in error"
     else:
         output = f"NO {r.tokens[:4]}.. vs {r.reference[:4]}.."
     probe = _num(r.probe_nonzero_bytes)

@@ -148,6 +148,9 @@ class Row:
     output_ok: bool
     tokens: list[int]
     reference: list[int]
+    # The decode request ended without computing its prompt ("error": its KV load
+    # failed; the engines keep vLLM's kv_load_failure_policy "fail"): its log.
+    decode_failed_log: str | None = None
 
 
 @dataclass
@@ -166,7 +169,12 @@ class Outcome:
         for r in self.rows:
             if r.wrapped and r.nan_left:
                 out.append(f"{r.connector}, prompt {r.prompt_len}: {r.nan_left} NaN left")
-            if r.wrapped and not r.output_ok:
+            if r.decode_failed_log is not None:
+                out.append(
+                    f"{r.connector}, prompt {r.prompt_len}: the decode request ended with an "
+                    f"error (its KV load failed; see {r.decode_failed_log})"
+                )
+            elif r.wrapped and not r.output_ok:
                 out.append(f"{r.connector}, prompt {r.prompt_len}: output differs from reference")
         return out
 
@@ -177,6 +185,7 @@ def _row(
     wrapped: bool,
     reference: list[int],
     elements_per_slot: int,
+    decode_log: str,
 ) -> Row:
     bs = r.attn_block_size
     hit = r.hit
@@ -192,9 +201,10 @@ def _row(
         probe_nonfinite=r.kvtail.get("stale_nonfinite_values") if wrapped else None,
         bytes_zeroed=r.kvtail.get("tail_bytes_zeroed") if wrapped else None,
         nan_left=r.decode_nan,
-        output_ok=r.decode.token_ids == reference,
+        output_ok=not r.decode_failed and r.decode.token_ids == reference,
         tokens=r.decode.token_ids,
         reference=reference,
+        decode_failed_log=decode_log if r.decode_failed else None,
     )
 
 
@@ -261,7 +271,9 @@ def run(
                     )
                 finally:
                     pair.scrub()  # poison must not leak into the next request
-                rows.append(_row(r, name, wrapped, ref, elements_per_slot))
+                assert pair.decode is not None
+                log = str(pair.decode.log_path)
+                rows.append(_row(r, name, wrapped, ref, elements_per_slot, log))
         isas = sorted({str(v["isa"]) for v in kv.attn_layers.values() if isinstance(v, dict)})
         return Outcome(
             sc,

@@ -35,13 +35,19 @@ KVTAIL_METRIC_PREFIX = "vllm:kvtail_"
 
 
 class _Recorder:
-    """Wraps scheduler methods to record block ids and connector hits per request."""
+    """Wraps scheduler methods to record block ids and connector hits per request.
 
-    def __init__(self, llm: Any) -> None:
+    A request's record is its block ids after its last successful
+    ``allocate_slots``. That covers its prompt only if the request computed its
+    prompt: one whose async KV load failed under ``kv_load_failure_policy:
+    "fail"`` ends (``finish_reason`` "error") with the blocks of the load's
+    allocation alone, which cover the loaded tokens, not the prompt.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
         self.allocs: dict[str, dict[str, Any]] = {}
         self.hits: list[dict[str, Any]] = []
-        core = llm.llm_engine.engine_core.engine_core  # InprocClient -> EngineCore
-        self.scheduler = core.scheduler
+        self.scheduler = scheduler
         kvm = self.scheduler.kv_cache_manager
         orig_alloc = kvm.allocate_slots
 
@@ -79,8 +85,13 @@ class _Recorder:
             conn.get_num_new_matched_tokens = get_num_new_matched_tokens
 
     def find(self, external_id: str) -> tuple[str | None, dict[str, Any] | None]:
+        """The record of the request vLLM calls ``external_id`` outside the engine:
+        the scheduler's id is ``{external_id}-{8 random hex}`` (or the id itself
+        with request-id randomization off)."""
         for rid, rec in self.allocs.items():
-            if rec["external"] == external_id or rid.startswith(f"{external_id}-"):
+            if rid == external_id or rec["external"] == external_id:
+                return rid, rec
+            if rid.startswith(f"{external_id}-"):
                 return rid, rec
         return None, None
 
@@ -119,7 +130,8 @@ class EngineServer:
 
             prepare_environment(cfg.kv_transfer_config)
         self.llm = LLM(**kw)
-        self.rec = _Recorder(self.llm)
+        core: Any = self.llm.llm_engine.engine_core  # an InprocClient: the engine in-process
+        self.rec = _Recorder(core.engine_core.scheduler)
 
     def generate(
         self,
@@ -155,6 +167,7 @@ class EngineServer:
                 kv_transfer_params=out.kv_transfer_params,
                 block_ids=rec["block_ids"] if rec else None,
                 connector_hits=self.rec.hits_of(out.request_id, n_hits),
+                finish_reason=out.outputs[0].finish_reason,
             )
             results.append(asdict(gen))
         return results

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvtail_connector.demo import procs
 from kvtail_connector.demo.api_server import APIServer
 from kvtail_connector.demo.prom_text import delta, info_label, kvtail_values, total
-from kvtail_connector.demo.workload import Answer, Prompt, openai_client, send_all
+from kvtail_connector.demo.router import Router
+from kvtail_connector.demo.workload import Answer, Prompt, openai_client, send, send_all
 
 T = TypeVar("T")
 MAX_TOKENS = 12
@@ -105,3 +107,37 @@ def wait_counts(
         return wait_until(counted, timeout, f"{server.spec.name} counters")
     except AssertionError as e:
         raise AssertionError(f"{e}; wanted {want}, got {delta(kvtail(server), before)}") from None
+
+
+def router_with_prefill_dead(
+    reference: APIServer, prefill: APIServer, router: Router, decode: APIServer, prompt: Prompt
+) -> dict[str, Any]:
+    """A router in front of the (dead) ``prefill`` server and ``decode``: the
+    router's answer, that nothing reaches the decode server (which still serves
+    what it computes itself), when the router's health check takes the prefill
+    server out, and when it routes again after the restart, with the
+    single-engine answer; the timings are returned (and printed, for docs/serving.md)."""
+    import openai
+
+    ref = references(reference, [prompt])
+    seen, before = total(decode.metrics(), "vllm:prompt_tokens_total"), kvtail(decode)
+    t0 = time.monotonic()
+    first = send(openai_client(router.url), prompt, MAX_TOKENS)
+    err = first.error
+    assert isinstance(err, openai.APIStatusError) and err.status_code in (500, 503), repr(err)
+    wait_until(router.prefill_down, 60, f"router {router.name}: prefill server down")
+    down_s = time.monotonic() - t0
+    later = send(openai_client(router.url), prompt, MAX_TOKENS).error
+    assert isinstance(later, openai.APIStatusError) and later.status_code == 503, repr(later)
+    assert total(decode.metrics(), "vllm:prompt_tokens_total") == seen
+    assert mismatches([send(openai_client(decode.url), prompt, MAX_TOKENS)], ref) == []
+    wait_counts(decode, before, {"failed_loads": 0, "held_requests": 0})
+    prefill.start().wait_ready()
+    t1 = time.monotonic()
+    router.wait_ready()
+    up_s = time.monotonic() - t1
+    assert mismatches([send(openai_client(router.url), prompt, MAX_TOKENS)], ref) == []
+    seen_by_client = {"status": err.status_code, "body": str(err.body)[:160]}
+    timings = {"first": seen_by_client, "marked_down_s": down_s, "routes_again_s": up_s}
+    print(f"\nrouter {router.name} with its prefill server dead: {timings}")
+    return timings

@@ -26,7 +26,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -57,6 +56,7 @@ from tests.serve.support import (
     kvtail,
     mismatches,
     references,
+    router_with_prefill_dead,
     wait_counts,
     wait_idle,
     wait_until,
@@ -225,41 +225,6 @@ def _keeps_serving(servers: Servers, pair: ServePair, routes: list[Route], bs: i
 # --------------------------------------------------------------------------- #
 
 
-def _router_with_prefill_dead(
-    servers: Servers, pair: ServePair, router: Router, decode: APIServer, bs: int
-) -> dict[str, Any]:
-    """A router straight in front of the (dead) prefill server and one decode
-    server: the router's answer, what reached the decode server, when the router's
-    health check took the prefill server out, and when it routed again after the
-    restart; the timings are returned (and printed, for docs/serving.md)."""
-    import openai
-
-    prompt = _prompts(bs, seed=12)[0]
-    ref = references(servers.reference, [prompt])
-    seen, before = total(decode.metrics(), "vllm:prompt_tokens_total"), kvtail(decode)
-    t0 = time.monotonic()
-    first = send(openai_client(router.url), prompt, MAX_TOKENS)
-    err = first.error
-    assert isinstance(err, openai.APIStatusError) and err.status_code in (500, 503), repr(err)
-    wait_until(router.prefill_down, 60, f"router {router.name}: prefill server down")
-    down_s = time.monotonic() - t0
-    later = send(openai_client(router.url), prompt, MAX_TOKENS).error
-    assert isinstance(later, openai.APIStatusError) and later.status_code == 503, repr(later)
-    # Nothing reached the decode server, which still serves what it computes itself.
-    assert total(decode.metrics(), "vllm:prompt_tokens_total") == seen
-    assert mismatches([send(openai_client(decode.url), prompt, MAX_TOKENS)], ref) == []
-    wait_counts(decode, before, {"failed_loads": 0, "held_requests": 0})
-    pair.prefill.start().wait_ready()
-    t1 = time.monotonic()
-    router.wait_ready()
-    up_s = time.monotonic() - t1
-    assert mismatches([send(openai_client(router.url), prompt, MAX_TOKENS)], ref) == []
-    seen_by_client = {"status": err.status_code, "body": str(err.body)[:160]}
-    timings = {"first": seen_by_client, "marked_down_s": down_s, "routes_again_s": up_s}
-    print(f"\nrouter with its prefill server dead: {timings}")
-    return timings
-
-
 def test_prefill_killed_after_its_answer(servers: Servers, pair: ServePair, routes, bs) -> None:
     """SIGKILL after the prefill leg answered, before either decode server pulled;
     then the router with its prefill server dead, and the restart."""
@@ -271,7 +236,8 @@ def test_prefill_killed_after_its_answer(servers: Servers, pair: ServePair, rout
         answers = [f.result(timeout=600) for f in _send_each(rs, _prompts(bs, seed=10))]
         assert not pair.prefill.alive
         _check(servers, rs, answers, before, failed={"recompute": 1, "fail": 1})
-        _router_with_prefill_dead(servers, pair, direct, decode, bs)
+        prompt = _prompts(bs, seed=12)[0]
+        router_with_prefill_dead(servers.reference, pair.prefill, direct, decode, prompt)
     _keeps_serving(servers, pair, rs, bs, seed=11)
 
 
