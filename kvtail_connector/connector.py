@@ -113,6 +113,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             children=[(c.label, c.transfer_config.kv_connector) for c in children],
             has_mamba=bool(kv_cache_config.has_mamba_layers),
             is_worker=role == KVConnectorRole.WORKER,
+            kv_block_size=min(
+                (int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups),
+                default=None,
+            ),
         )
         self._inner_hma = supports_hma(inner_cls)
         if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:

@@ -35,8 +35,10 @@ NIXL DCP size -- 0.32 config/vllm.py:1476, 0.33 config/vllm.py:1575.
     Wrapper: the same refusals at start-up.
 NIXL DCP interleave -- 0.32 config/vllm.py:3229, 0.33 config/vllm.py:3369.
     vLLM: with DCP > 1 each worker sets ``cp_kv_cache_interleave_size`` to the
-    block size (unless set explicitly). Wrapper: refuses unless it equals the
-    block size, naming ``--cp-kv-cache-interleave-size``.
+    smallest KV cache group block size, unless the user set it explicitly (then
+    kept). Wrapper: where vLLM would have changed it, refuses naming
+    ``--cp-kv-cache-interleave-size`` and that block size; an explicit value is
+    kept, as vLLM keeps it.
 NIXL DCP interleave check -- 0.32 config/vllm.py:3266, 0.33 config/vllm.py:3402.
     vLLM: skips its interleave <= block size assert for NIXL. Wrapper: nothing;
     vLLM's assert runs (loud), and what it passes meets the row above.
@@ -166,7 +168,7 @@ RULES: tuple[Rule, ...] = (
             "0.33": (Site("config/vllm.py", 3369, _HAS_NIXL),),
         },
         "sets cp_kv_cache_interleave_size to the block size for NIXL with DCP",
-        "refuses unless --cp-kv-cache-interleave-size is the block size",
+        "refuses where vLLM would change it, naming --cp-kv-cache-interleave-size",
     ),
     Rule(
         "nixl_dcp_interleave_check",
@@ -422,7 +424,7 @@ def _check_routed_experts(vllm_config: Any, inner: _Inner) -> None:
         )
 
 
-def _check_nixl_dcp(vllm_config: Any, inner: _Inner) -> None:
+def _check_nixl_dcp(vllm_config: Any, inner: _Inner, kv_block_size: int | None) -> None:
     parallel = vllm_config.parallel_config
     dcp = _compat.dcp_world_size(parallel)
     found = inner.find(("NixlConnector",)) if dcp > 1 else None
@@ -444,7 +446,10 @@ def _check_nixl_dcp(vllm_config: Any, inner: _Inner) -> None:
             f"{label} behind KVTailConnector: PD with "
             "decode_context_parallel_size > 1 is only supported for MLA models."
         )
-    block_size = int(vllm_config.cache_config.block_size)
+    if not _compat.cp_interleave_auto_resolved(parallel):
+        return  # set explicitly: vLLM keeps it for a plain NIXL too
+    # vLLM's value: the smallest KV cache group block size (rank-local).
+    block_size = int(kv_block_size or vllm_config.cache_config.block_size)
     interleave = _compat.dcp_interleave_size(parallel)
     if interleave != block_size:
         raise ValueError(
@@ -519,6 +524,7 @@ def check_start_up(
     children: Sequence[tuple[str, str]] = (),
     has_mamba: bool,
     is_worker: bool,
+    kv_block_size: int | None = None,
 ) -> None:
     """Apply vLLM's name-keyed refusals to the inner connector; raise the one
     ValueError of the first that fails.
@@ -532,10 +538,13 @@ def check_start_up(
             that a message names the child a rule is about.
         has_mamba, is_worker: the conv-state layout is checked where caches
             are made (workers), for models with Mamba layers.
+        kv_block_size: the smallest block size of this engine's KV cache
+            groups (what vLLM sets the NIXL DCP interleave to); None: the
+            cache config's block size.
     """
     inner = _Inner(inner_ktc, label, tuple(children))
     _check_routed_experts(vllm_config, inner)
-    _check_nixl_dcp(vllm_config, inner)
+    _check_nixl_dcp(vllm_config, inner, kv_block_size)
     _check_hisparse(inner)
     _check_simple_cpu_offload(vllm_config, inner)
     if is_worker:

@@ -25,13 +25,15 @@ class Transfer:
         )
 
 
-def config(dcp: int, tp: int, interleave: int, block_size: int = 64, mla: bool = True):
+def config(dcp: int, tp: int, interleave: int, block_size: int = 64, mla: bool = True, auto=True):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(
             decode_context_parallel_size=dcp,
             tensor_parallel_size=tp,
             prefill_context_parallel_size=1,
             cp_kv_cache_interleave_size=interleave,
+            # False where the user set the interleave (vLLM then keeps it).
+            _allow_auto_resolve_cp_interleave_size=auto,
         ),
         model_config=SimpleNamespace(use_mla=mla),
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=False),
@@ -39,10 +41,29 @@ def config(dcp: int, tp: int, interleave: int, block_size: int = 64, mla: bool =
     )
 
 
-def check(cfg, transfer, children=()):
+def check(cfg, transfer, children=(), kv_block_size=None):
     name_keyed.check_start_up(
-        cfg, transfer, "backend (X)", children=children, has_mamba=False, is_worker=False
+        cfg,
+        transfer,
+        "backend (X)",
+        children=children,
+        has_mamba=False,
+        is_worker=False,
+        kv_block_size=kv_block_size,
     )
+
+
+def test_an_explicit_interleave_is_kept_as_vllm_keeps_it():
+    # vLLM changes the interleave only where the user did not set it.
+    check(config(dcp=8, tp=8, interleave=1, auto=False), Transfer("NixlConnector"))
+
+
+def test_the_interleave_vllm_would_set_is_the_smallest_kv_group_block():
+    # vLLM sets it to the smallest KV cache group block size, not the cache
+    # config's block size.
+    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 16 \\(now 64\\)"):
+        check(config(dcp=8, tp=8, interleave=64), Transfer("NixlConnector"), kv_block_size=16)
+    check(config(dcp=8, tp=8, interleave=16), Transfer("NixlConnector"), kv_block_size=16)
 
 
 def test_interleave_vllm_would_set_is_required_and_named():
