@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-from vllm.v1.request import RequestStatus
 
-from kvtail_connector import entry
 from kvtail_connector import kv_digests as kv_digests_mod
 from kvtail_connector.containment import Containment
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
@@ -37,8 +35,8 @@ from tests.scheduler.test_containment import (
 )
 from tests.scheduler.test_kv_digest import (  # noqa: F401  (sent: a fixture)
     PROMPT,
-    _LateEvent,
     consumer,
+    load_with_a_late_digest,
     routed,
     run_step,
     sent,
@@ -143,29 +141,8 @@ def test_a_failing_digest_comparison_still_reports_the_load(sent, monkeypatch): 
         raise Injected("injected into RankDigests._compare")
 
     monkeypatch.setattr(kv_digests_mod.RankDigests, "_compare", boom)
-    real = kv_digests_mod.KVDigester.digest
-
-    def late(self: Any, requests: Any) -> Any:
-        pending = real(self, requests)
-        pending.event = _LateEvent(after=2)  # on the host 2 passes after the load
-        return pending
-
-    monkeypatch.setattr(kv_digests_mod.KVDigester, "digest", late)
-    p, params = sent
-    d = consumer()
-    d.add(
-        "c1",
-        PROMPT,
-        double_load_tokens=PROMPT,
-        double_finish_after_steps=2,
-        **routed(params, params[entry.KEY]),
-    )
-    run_step(d.scheduler, d.worker)
-    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
-    waiting = []
-    for _ in range(4):
-        run_step(d.scheduler, d.worker)
-        waiting.append(d.scheduler.requests["c1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    # The digest on the host 2 passes after the load.
+    d, _, waiting = load_with_a_late_digest(sent, monkeypatch, after=2, steps=4)
     # Released (reported failed) in the pass whose comparison raised, then
     # recomputed by vLLM (kv_load_failure_policy: recompute). Before: held forever.
     assert waiting == [True, True, True, False]

@@ -276,13 +276,19 @@ class _LateEvent:
         self.synchronized = self.synchronized or self.left >= 0
 
 
-def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatch):
+def load_with_a_late_digest(
+    sent: Any, monkeypatch: pytest.MonkeyPatch, after: int, steps: int
+) -> tuple[Harness, list[_LateEvent], list[bool]]:
+    """D loads ``c1`` with P's digest, whose sums reach the host ``after``
+    queries after the digest launch; returns the consumer, the digests' events
+    and, for each of ``steps`` steps after the transfer landed, whether ``c1``
+    still waits for its remote KV."""
     events: list[_LateEvent] = []
     real = kv_digests_mod.KVDigester.digest
 
     def late(self: Any, requests: Any) -> Any:
         pending = real(self, requests)
-        pending.event = _LateEvent(after=2)
+        pending.event = _LateEvent(after=after)
         events.append(pending.event)
         return pending
 
@@ -299,9 +305,14 @@ def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatc
     run_step(d.scheduler, d.worker)
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
     waiting = []
-    for _ in range(4):
+    for _ in range(steps):
         run_step(d.scheduler, d.worker)
         waiting.append(d.scheduler.requests["c1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    return d, events, waiting
+
+
+def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatch):
+    d, events, waiting = load_with_a_late_digest(sent, monkeypatch, after=2, steps=4)
     # The load completes in the first of these steps; its digest reaches the
     # host at the third query, and only then does the scheduler see the load
     # (it promotes the request at its next schedule). Unheld: [True, False, ...].
@@ -312,27 +323,7 @@ def test_the_completion_is_held_until_the_digest_is_on_the_host(sent, monkeypatc
 
 
 def test_a_digest_that_never_lands_is_waited_for_after_max_passes(sent, monkeypatch):
-    real = kv_digests_mod.KVDigester.digest
-    events: list[_LateEvent] = []
-
-    def never(self: Any, requests: Any) -> Any:
-        pending = real(self, requests)
-        pending.event = _LateEvent(after=10**6)
-        events.append(pending.event)
-        return pending
-
-    monkeypatch.setattr(kv_digests_mod.KVDigester, "digest", never)
-    p, params = sent
-    d = consumer()
-    d.add(
-        "c1",
-        PROMPT,
-        double_load_tokens=PROMPT,
-        double_finish_after_steps=2,
-        **routed(params),
-    )
-    run_step(d.scheduler, d.worker)
-    transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
+    d, events, _ = load_with_a_late_digest(sent, monkeypatch, after=10**6, steps=0)
     d.finish()
     assert events[0].synchronized and d.stats["digests_verified"] == 1
 
