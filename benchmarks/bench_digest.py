@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from kvtail_connector.ops.digest import DigestGroup, GroupSpan, KVDigester
+from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
 
 TARGET_TBPS = 2.5
 

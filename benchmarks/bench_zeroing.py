@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kvtail_connector.ops._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
 
 TAILS = (1, 16, 64, 256)
 NEW_BLOCKS = (0, 256, 1024)

@@ -6,7 +6,7 @@ path, so the launcher's constants are chosen by measurement:
 
     cd benchmarks && PYTHONPATH=.. python kernel_variants.py
 
-The chosen values live in ``kvtail_connector/ops/launcher.py`` (BLOCK,
+The chosen values live in ``kvtail_connector/ops/zero/launcher.py`` (BLOCK,
 NUM_WARPS, PROGRAMS_PER_SM); RESULTS.md records the run that chose them.
 """
 
@@ -20,11 +20,11 @@ import torch
 import triton
 from bench_zeroing import _noop, graph_time_us, launch_floor_us, make_cache, memset_bandwidth
 
-from kvtail_connector.ops import launcher
-from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.staging import PinnedStaging
-from kvtail_connector.ops.work import encoded_work
-from kvtail_connector.ops.work_schema import HEADER_WORDS, ITEM_COLS, ROW_COLUMN
+from kvtail_connector.ops.zero import launcher
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.plan import encoded_work
+from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, ROW_COLUMN
 
 # (BLOCK, num_warps, programs per SM, 16-byte stores)
 VARIANTS = [

@@ -39,7 +39,7 @@ Wire format (JSON; :data:`VERSION` 2)::
   ``n - 1`` is zero on every rank and group of P. Absent where P does not
   vouch for its tail.
 - ``dg`` (``verify_kv: digest``): the KV digest of tokens ``[0, n)``:
-  algorithm ``alg`` (versioned on its own, see ``ops/digest_reference.py``),
+  algorithm ``alg`` (versioned on its own, see ``ops/digest/reference.py``),
   tokens per segment ``seg`` (exactly :func:`segment_for` ``(n)``), a
   signature ``sig`` of what the sums are keyed on, and per KV cache group
   (``< `` D's groups) and global KV head (``<`` D's KV heads) the sum of each

@@ -43,7 +43,13 @@ from kvtail_connector.metadata import (
     LoadRecord,
 )
 from kvtail_connector.ops import RegionCache
-from kvtail_connector.ops.digest import ALGORITHM, DigestGroup, GroupSpan, KVDigester, PendingDigest
+from kvtail_connector.ops.digest.launcher import (
+    ALGORITHM,
+    DigestGroup,
+    GroupSpan,
+    KVDigester,
+    PendingDigest,
+)
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")

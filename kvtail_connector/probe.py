@@ -15,7 +15,7 @@ import torch
 from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.ops.geometry import describe_cache
-from kvtail_connector.ops.torch_path import expand_slots, region_tail_bytes
+from kvtail_connector.ops.zero.torch_path import expand_slots, region_tail_bytes
 
 
 def _region_tail_bytes(

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kvtail_connector.cache_sets import CacheSet, TailBytes
-from kvtail_connector.ops._step_zeroer import StagedGroups, StepZeroer
+from kvtail_connector.ops.zero._step_zeroer import StagedGroups, StepZeroer
 
 
 @dataclass

@@ -59,8 +59,8 @@ from kvtail_connector.metadata import (
     LoadRecord,
 )
 from kvtail_connector.ops import reference_zero_kv_blocks
-from kvtail_connector.ops._step_zeroer import StepZeroer
-from kvtail_connector.ops.work import Line
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.plan import Line
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.probe import probe_items
 from kvtail_connector.read_tails import LayerWork, ReadTailsByLayer

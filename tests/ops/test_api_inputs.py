@@ -22,12 +22,10 @@ from kvtail_connector.ops import (
     KVZeroer,
     PageRegion,
     RegionCache,
-    functional,
     indexer_cache,
-    launcher,
     reference_zero_kv_blocks,
-    torch_path,
 )
+from kvtail_connector.ops.zero import functional, launcher, torch_path
 from tests.helpers.layouts import make_backing, rebase
 from tests.ops.test_zero_kv_blocks import INTERPRET
 

@@ -1,6 +1,6 @@
 """The KV digest (mix64-1): the kernel and the torch path against the reference.
 
-The reference (``ops/digest_reference.py``) is the contract. Each case digests
+The reference (``ops/digest/reference.py``) is the contract. Each case digests
 poisoned caches (random bytes everywhere: guards, padding, other blocks)
 through every path that can run here and compares the sums exactly; flips of
 single bytes inside the valid slots must change exactly their cell, and
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from kvtail_connector.ops import PageRegion, RegionCache, indexer_cache
-from kvtail_connector.ops import digest as digest_mod
-from kvtail_connector.ops.digest import (
+from kvtail_connector.ops.digest import launcher as digest_mod
+from kvtail_connector.ops.digest.launcher import (
     ALGORITHM,
     DigestGroup,
     GroupSpan,
     KVDigester,
 )
-from kvtail_connector.ops.digest_reference import POS_MUL, WORD_MUL, reference_digest
+from kvtail_connector.ops.digest.reference import POS_MUL, WORD_MUL, reference_digest
 from tests.helpers.kv_content import byte_views
 from tests.helpers.layouts import LAYOUTS, make_backing, to_device
 
@@ -327,7 +327,7 @@ def test_empty_work_launches_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("launched a kernel for empty work")
 
-    import kvtail_connector.ops.kernels.digest as kernels
+    import kvtail_connector.ops.digest.kernel as kernels
 
     monkeypatch.setattr(kernels, "kv_digest_kernel", NoLaunch())
     b = make_backing(

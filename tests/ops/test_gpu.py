@@ -10,8 +10,8 @@ import torch
 
 from kvtail_connector import zero_kv_blocks
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks, warmup
-from kvtail_connector.ops._step_zeroer import StepZeroer
-from kvtail_connector.ops.work_schema import MAX_UNITS
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.work_schema import MAX_UNITS
 from tests.helpers.layouts import make_backing, rebase, to_device
 from tests.ops.test_zero_kv_blocks import INTERPRET
 

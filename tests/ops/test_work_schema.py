@@ -2,7 +2,7 @@
 
 - Work buffers packed by every encoder (``KVZeroer.zero``'s numpy encoding,
   the worker's lines, the staged per-layer encoding) decode, by the names of
-  ``ops/work_schema.py``, to values worked out here by hand.
+  ``ops/zero/work_schema.py``, to values worked out here by hand.
 - The kernel, given its columns by the launcher, zeroes exactly what the
   reference does on a case where every column of every table matters (a
   column read from the wrong place zeroes other bytes).
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvtail_connector.ops import PageRegion, RegionCache, reference_zero_kv_blocks
-from kvtail_connector.ops._step_zeroer import StepZeroer
 from kvtail_connector.ops.geometry import Row
-from kvtail_connector.ops.launcher import COLUMNS, kernel
-from kvtail_connector.ops.work import encoded_work, line_work, row_table
-from kvtail_connector.ops.work_schema import (
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.launcher import COLUMNS, kernel
+from kvtail_connector.ops.zero.plan import encoded_work, line_work, row_table
+from kvtail_connector.ops.zero.work_schema import (
     HEADER_WORDS,
     ITEM_COLS,
     ROW_COLS,

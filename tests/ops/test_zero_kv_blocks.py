@@ -24,7 +24,7 @@ from kvtail_connector.ops import (
     indexer_cache,
     reference_zero_kv_blocks,
 )
-from kvtail_connector.ops._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
 from tests.helpers.layouts import DTYPES, LAYOUTS, make_backing, rebase, to_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -5,7 +5,7 @@ and reports a mismatch as a failed load.
 P and D run the wrapper around the transport double; the "transfer" copies
 P's blocks into D's (``transfer``), so D holds exactly P's bytes unless a test
 changes one. Expected sums come from the plain reference
-(``ops/digest_reference.py``), never from the code under test.
+(``ops/digest/reference.py``), never from the code under test.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtail_connector import entry
 from kvtail_connector import kv_digests as kv_digests_mod
-from kvtail_connector.ops.digest_reference import ALGORITHM, reference_digest
+from kvtail_connector.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
 
@@ -210,7 +210,7 @@ def _edited_digest(kvtail: dict[str, Any], **dg: Any) -> dict[str, Any]:
         "other-algorithm",
         "other-layout",
         "bad-segment",
-        # A power of two and a valid u64 that made ops/digest_plan.py raise
+        # A power of two and a valid u64 that made ops/digest/plan.py raise
         # OverflowError inside get_transfer_results (the engine died): refused
         # by the model, the load completes and is zeroed.
         "seg-2**63",

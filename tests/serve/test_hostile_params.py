@@ -5,7 +5,7 @@ hands D whatever P's answer held. Here a wrapped NIXL pair with ``verify_kv:
 "digest"`` on both sides serves requests whose prefill answer is edited on
 its way to D (a tap between vllm-router and P, ``after_prefill``): the ``kvtail``
 entry D gets is crafted (the ``dg.seg = 2**63`` that made
-``ops/digest_plan.py`` raise ``OverflowError`` inside ``get_transfer_results``
+``ops/digest/plan.py`` raise ``OverflowError`` inside ``get_transfer_results``
 and ended the engine core), megabytes large, or of wrong types anywhere. The
 transfer itself is real (P's binding keys are kept), so D's load completes and
 the wrapper's reading of the entry is on the path. For every request D must

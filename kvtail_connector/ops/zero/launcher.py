@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
-from kvtail_connector.ops.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
+from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
 
 # ops must not import vLLM: a plain logger (vLLM's handler sees it when the
 # wrapper runs, through the ``vllm`` parent set in kvtail_connector.log).
@@ -32,14 +32,14 @@ NUM_WARPS = 4
 PROGRAMS_PER_SM = 16
 # Items a CUDA graph slot holds; larger work takes the staged launch.
 GRAPH_ITEMS = 256
-# The tables' layout, handed to the kernel as constexprs (ops/work_schema.py).
+# The tables' layout, handed to the kernel as constexprs (ops/zero/work_schema.py).
 COLUMNS = kernel_columns()
 # Programs for the interpreter: each one loops in Python, so few and busy.
 _INTERPRETER_PROGRAMS = 4
 
 
 def kernel() -> Any:
-    from kvtail_connector.ops.kernels.zero_kv import zero_kv_slots_kernel
+    from kvtail_connector.ops.zero.kernel import zero_kv_slots_kernel
 
     return zero_kv_slots_kernel
 

@@ -1,4 +1,4 @@
-"""The kernel's work buffer and row table, packed as ``ops/work_schema.py`` lays them out.
+"""The kernel's work buffer and row table, packed as ``ops/zero/work_schema.py`` lays them out.
 
 A launch reads one int64 buffer: a :class:`WorkHeader` and one
 :class:`WorkItem` line per item, whole blocks first, then tails. This module
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtail_connector.ops.geometry import Row
-from kvtail_connector.ops.work_schema import (
+from kvtail_connector.ops.zero.work_schema import (
     HEADER_WORDS,
     ITEM_COLS,
     ITEM_COLUMN,

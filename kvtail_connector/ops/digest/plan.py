@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.dcp import dcp_local_valid_slots
-from kvtail_connector.ops.digest_reference import MASK64, SEED
+from kvtail_connector.ops.digest.reference import MASK64, SEED
 from kvtail_connector.ops.geometry import RegionCache, describe_caches
 from kvtail_connector.ops.integers import as_int, int_rows
 
 CacheLike = torch.Tensor | RegionCache
 
-# Work buffer layout (must match ops/kernels/digest.py).
+# Work buffer layout (must match ops/digest/kernel.py).
 HEADER = 8
 KIND_COLS = 8
 ITEM_COLS = 8

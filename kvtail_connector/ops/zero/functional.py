@@ -10,7 +10,7 @@ import torch
 
 from kvtail_connector.ops.geometry import RegionCache
 from kvtail_connector.ops.integers import as_int, int_rows
-from kvtail_connector.ops.zeroer import CacheLike, KVZeroer
+from kvtail_connector.ops.zero.zeroer import CacheLike, KVZeroer
 
 # Triton plans of recent calls, by the caches' addresses and layouts. A plan
 # holds no tensor (KVZeroer(hold_caches=False)), so a cache the caller frees

@@ -8,7 +8,7 @@ A launch reads two int64 tables:
 - the *row table*: one :class:`RowEntry` per row (one region of one kernel
   page of a manager block), built once per zeroer.
 
-The field order of each NamedTuple is its column order. ``ops/work.py`` packs
+The field order of each NamedTuple is its column order. ``ops/zero/plan.py`` packs
 by these names, and the launcher hands the kernel every column as a
 ``tl.constexpr`` (:func:`kernel_columns`), so the kernel file holds no copy
 of this layout. Triton-free: importing it loads no compiler.

@@ -3,7 +3,7 @@
 Row tables are derived once from the caches; each :meth:`KVZeroer.zero` call
 turns its items into one work buffer (a header and one line per item) and
 one kernel launch on CUDA, or one vectorized torch pass per group elsewhere.
-The worker's pre-encoded variants of that call live in ``ops/_step_zeroer.py``.
+The worker's pre-encoded variants of that call live in ``ops/zero/_step_zeroer.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvtail_connector.ops import launcher, torch_path
 from kvtail_connector.ops.geometry import (
     CacheGeometry,
     RegionCache,
@@ -24,8 +23,9 @@ from kvtail_connector.ops.geometry import (
     whole_block_rows,
 )
 from kvtail_connector.ops.integers import as_int
-from kvtail_connector.ops.work import Encoded, encoded_work, row_table, row_unit
-from kvtail_connector.ops.work_schema import ITEM_COLS, ITEM_COLUMN
+from kvtail_connector.ops.zero import launcher, torch_path
+from kvtail_connector.ops.zero.plan import Encoded, encoded_work, row_table, row_unit
+from kvtail_connector.ops.zero.work_schema import ITEM_COLS, ITEM_COLUMN
 
 CacheLike = torch.Tensor | RegionCache
 Implementation = Literal["auto", "triton", "torch"]

@@ -2,7 +2,7 @@
 
 A digest is a per (group, global KV head, token segment) sum of the
 ``mix64-1`` terms of every 32-bit word of every valid slot (the definition:
-``ops/digest_reference.py``). It is keyed by logical coordinates only, so a
+``ops/digest/reference.py``). It is keyed by logical coordinates only, so a
 producer and a consumer that place the same tokens in other blocks, block
 sizes, page layouts or ranks get the same sums, and each consumer rank checks
 the heads it holds.
@@ -25,8 +25,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvtail_connector.ops import digest_torch
-from kvtail_connector.ops.digest_plan import (
+from kvtail_connector.ops.digest import torch_path
+from kvtail_connector.ops.digest.plan import (
     HEADER,
     MODE_VECTORS,
     DigestGroup,
@@ -38,7 +38,7 @@ from kvtail_connector.ops.digest_plan import (
     span_items,
     work_buffer,
 )
-from kvtail_connector.ops.digest_reference import ALGORITHM
+from kvtail_connector.ops.digest.reference import ALGORITHM
 from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.staging import PinnedStaging
 
@@ -282,8 +282,8 @@ class KVDigester:
         if self.implementation == "torch":
             cells = torch.zeros(n_cells, dtype=torch.int64, device=self.device)
             for g, items in kinds:
-                slots = digest_torch.expand_items(items)
-                digest_torch.digest_rows(self._groups[g].rows, slots, cells)
+                slots = torch_path.expand_items(items)
+                torch_path.digest_rows(self._groups[g].rows, slots, cells)
             return PendingDigest(cells.cpu(), None, layout, launched=False)
         table = [(items, len(self._groups[g].rows), self._row_start[g]) for g, items in kinds]
         work, units, out_offset = work_buffer(table, n_cells, self._programs)
@@ -334,7 +334,7 @@ class KVDigester:
         return _Layout(spans), kinds, n_cells
 
     def _launch(self, work: torch.Tensor, units: int) -> None:
-        from kvtail_connector.ops.kernels.digest import kv_digest_kernel
+        from kvtail_connector.ops.digest.kernel import kv_digest_kernel
 
         slots, words = self.tile
         grid = (max(1, min(units, self._programs)),)

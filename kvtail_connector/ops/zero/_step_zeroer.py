@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtail_connector.ops.launcher import work_at
-from kvtail_connector.ops.work import Line, line_work, same_items_work
-from kvtail_connector.ops.zeroer import KVZeroer
+from kvtail_connector.ops.zero.launcher import work_at
+from kvtail_connector.ops.zero.plan import Line, line_work, same_items_work
+from kvtail_connector.ops.zero.zeroer import KVZeroer
 
 # What encoding needs of a group: any-cache slots, (count, chunks) of its tail
 # rows and of its whole-block rows.

@@ -9,7 +9,7 @@ def zero_kv_slots_kernel(
     work_ptr,  # int64: HEADER_WORDS words, then [n_whole + n_tail, ITEM_COLS] items
     rows_ptr,  # int64 [n_rows, ROW_COLS]
     BLOCK: tl.constexpr,  # units (int32 words or bytes) one work unit stores
-    # Column offsets and widths of both tables: ops/work_schema.py, passed
+    # Column offsets and widths of both tables: ops/zero/work_schema.py, passed
     # by the launcher (kernel_columns()).
     HEADER_WORDS: tl.constexpr,
     HEADER_N_WHOLE: tl.constexpr,

@@ -1,21 +1,21 @@
 """Triton kernel of the KV digest (``mix64-1``): ``@triton.jit`` only.
 
-The hash is defined in ``ops/digest_reference.py``; the work buffer and row
-table are built by ``ops/digest_plan.py``.
+The hash is defined in ``ops/digest/reference.py``; the work buffer and row
+table are built by ``ops/digest/plan.py``.
 """
 
 import triton
 import triton.language as tl
 
-# Layout of the int64 work buffer and row table (must match ops/digest_plan.py).
+# Layout of the int64 work buffer and row table (must match ops/digest/plan.py).
 HEADER: tl.constexpr = tl.constexpr(8)
 KIND_COLS: tl.constexpr = tl.constexpr(8)
 ITEM_COLS: tl.constexpr = tl.constexpr(8)
 ROW_COLS: tl.constexpr = tl.constexpr(16)
-# mix64-1 constants (see ops/digest_reference.py).
+# mix64-1 constants (see ops/digest/reference.py).
 POS_MUL: tl.constexpr = tl.constexpr(0x9E3779B97F4A7C15)
 WORD_MUL: tl.constexpr = tl.constexpr(0xBF58476D1CE4E5B9)
-# Row load modes (ops/digest_plan.py).
+# Row load modes (ops/digest/plan.py).
 MODE_BYTES: tl.constexpr = tl.constexpr(0)
 MODE_WORDS: tl.constexpr = tl.constexpr(1)
 MODE_VECTORS: tl.constexpr = tl.constexpr(2)

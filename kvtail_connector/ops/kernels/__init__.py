@@ -1,1 +1,0 @@
-"""``@triton.jit`` kernels only; launchers live in ``kvtail_connector.ops``."""
