@@ -12,9 +12,10 @@ records bound, the digest launched in the hook, the worker metadata, its sums
 read back) and what D adds (loads with a digest completing: the digest
 launched, held, compared), per request size.
 
-The GPU machine has no vLLM; the worker module imports two vLLM base classes
-and a logger, which ``benchmarks/vllm_stub`` provides there (nothing else of
-vLLM runs on this path).
+The GPU machine has no vLLM: importing the worker side needs a few vLLM base
+classes and vLLM's logger, which ``without_vllm.install_if_absent()`` stands
+in for there (nothing else of vLLM runs on these paths;
+``tests/unit/test_import_paths.py`` runs them on CPU with vLLM blocked).
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from without_vllm import install_if_absent
 
-try:
-    import vllm  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).parent / "vllm_stub"))
+VLLM_STOOD_IN = install_if_absent()  # before anything below imports vLLM
 
 import triton  # noqa: E402
 from bench_zeroing import _noop, make_cache  # noqa: E402
@@ -46,11 +45,12 @@ from kvtail_connector.metadata import (  # noqa: E402
     KVTailMetadata,
     LoadRecord,
 )
-from kvtail_connector.policy import TailPolicy
+from kvtail_connector.policy import TailPolicy  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
 
 BLOCK_TOKENS = 16
+DIGEST_SIZES = ((1, 1024), (1, 8192), (16, 1024))  # (prompts, tokens each)
 
 
 class _NoLoadErrors:
@@ -144,10 +144,9 @@ def device_us(fn) -> float:
     return start.elapsed_time(end) * 1e3
 
 
-def read_tail_rows(reps: int) -> list[dict]:
+def read_tail_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
     """MoRIIO READ tails: all layers after start_load_kv (0.33, FULL graphs on
     0.32) against one launch per layer after each wait_for_layer_load (0.32)."""
-    layers, num_blocks = 80, 1024
     worker = build_worker(layers, num_blocks, read_tails_by_layer=True)
     names = [f"layer.{i}" for i in range(layers)]
     rows = []
@@ -178,10 +177,9 @@ def read_tail_rows(reps: int) -> list[dict]:
     return rows
 
 
-def producer_rows(reps: int) -> list[dict]:
+def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
     """A producer's added cost per step: bind its prompt-tail records, zero
     them in the hook (one launch), build the worker metadata."""
-    layers, num_blocks = 80, 1024
     worker = build_worker(layers, num_blocks)
     rows = []
     for n in (1, 16):
@@ -213,15 +211,16 @@ def digest_records(n: int, tokens: int, num_blocks: int) -> tuple[LoadRecord, ..
     )
 
 
-def digest_rows(reps: int) -> list[dict]:
+def digest_rows(
+    reps: int, layers: int = 80, num_blocks: int = 1024, sizes=DIGEST_SIZES
+) -> list[dict]:
     """``verify_kv: digest``. P: bind its digest records, the hook (digest
     launch and read-back enqueued), the worker metadata, reading the sums
     (waits for the device). D: loads carrying P's digest complete (digest
     launched, held, compared in ``transfer_results``)."""
-    layers, num_blocks = 80, 1024
     worker = build_worker(layers, num_blocks, digest=True)
     rows = []
-    for n, tokens in ((1, 1024), (1, 8192), (16, 1024)):
+    for n, tokens in sizes:
         recs = digest_records(n, tokens, num_blocks)
         meta = KVTailMetadata(inner=None, producer_digests=recs)  # type: ignore[arg-type]
         parts: dict = {}
@@ -326,6 +325,7 @@ def main() -> int:
             rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
+        + (", vLLM not installed (benchmarks/without_vllm.py)" if VLLM_STOOD_IN else "")
     )
     print(f"# one bare Triton launch (empty kernel, JIT): {bare:.1f} µs host")
     print("| layers | tails completing | completion µs (host) | / bare launch | bind µs (host) |")
