@@ -1,4 +1,4 @@
-"""The P/D demo (``python -m kvtail_connector.demo``) and the engine harness behind it.
+"""The P/D demo (``python -m demo``) and the engine harness behind it.
 
 Two real vLLM CPU engines, each in its own process, move KV over NIXL or
 MooncakeStore on loopback; the harness can poison and inspect their KV slots.
