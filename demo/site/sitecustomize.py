@@ -1,4 +1,5 @@
-"""Put on ``PYTHONPATH`` by the serving harness (demo.api_server).
+"""Put on ``PYTHONPATH`` by the serving harness (demo.api_server), ahead of the
+repository root that holds ``demo`` (``demo.procs.child_pythonpath``).
 
 Python imports ``sitecustomize`` at start-up in every interpreter that sees this
 folder: the API server and the engine process it spawns. It only applies the
