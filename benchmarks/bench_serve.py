@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtail_connector.demo.router import Router  # noqa: E402
-from kvtail_connector.demo.workload import (  # noqa: E402
+from demo.router import Router  # noqa: E402
+from demo.workload import (  # noqa: E402
     Answer,
     completion_prompt,
     openai_client,
@@ -95,8 +95,8 @@ def start_cpu_pairs(
 ) -> dict[str, tuple[str, str]]:
     """A plain and a wrapped NIXL pair of tiny-Llama servers (probe off). With
     ``control`` the "wrapped" pair is plain too: the ratio then shows the noise."""
-    from kvtail_connector.demo.serving import Fleet
-    from kvtail_connector.demo.tiny_model import ensure_tiny_llama
+    from demo.serving import Fleet
+    from demo.tiny_model import ensure_tiny_llama
 
     model = str(ensure_tiny_llama())
     fleet = Fleet(log_dir)

@@ -383,13 +383,9 @@ def probe(args: argparse.Namespace) -> int:
         fail(f"the registered {CONNECTOR_NAME} comes from {module_file}, not the wheel")
     ok(f"vLLM's plugin loader registered {CONNECTOR_NAME} -> {cls.__module__}.{cls.__name__}")
 
-    # Every module of the core (the demo is the harness: it imports transports
-    # and test models by design), none of which may import a transport.
-    core = [
-        m.name
-        for m in pkgutil.walk_packages(kvtail_connector.__path__, "kvtail_connector.")
-        if not m.name.startswith("kvtail_connector.demo")
-    ]
+    # Every module of the package (the demo and its harness live in the checkout,
+    # not here), none of which may import a transport.
+    core = [m.name for m in pkgutil.walk_packages(kvtail_connector.__path__, "kvtail_connector.")]
     for name in core:
         importlib.import_module(name)
     loaded = sorted(

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from kvtail_connector.demo.tiny_model import ensure_tiny_llama
+from demo.tiny_model import ensure_tiny_llama
 
 
 @pytest.fixture(scope="session")

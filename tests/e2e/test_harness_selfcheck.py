@@ -19,10 +19,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtail_connector.demo.engine import EngineProcess
-from kvtail_connector.demo.pd import PDPair, make_prompt
-from kvtail_connector.demo.records import EngineConfig
-from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
+from demo.engine import EngineProcess
+from demo.pd import PDPair, make_prompt
+from demo.records import EngineConfig
+from demo.tiny_model import ensure_tiny_hybrid
 from tests.e2e.support import mid_block_hit, require, require_bf16
 
 pytestmark = pytest.mark.e2e

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from demo.engine import EngineProcess, start_engines
+from demo.pd import PDPair, make_prompt, wrapped_kv_config
 from kvtail_connector import entry
-from kvtail_connector.demo.engine import EngineProcess, start_engines
-from kvtail_connector.demo.pd import PDPair, make_prompt, wrapped_kv_config
 from tests.e2e.support import require
 
 pytestmark = pytest.mark.e2e

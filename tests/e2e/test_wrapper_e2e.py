@@ -22,6 +22,7 @@ Engines are shared per class and stopped when the class is done.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,10 +30,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from demo import procs
+from demo.engine import start_engines
+from demo.pd import PDPair, PDResult, make_prompt, wrapped_kv_config
+from demo.tiny_model import ensure_tiny_hybrid
 from kvtail_connector import entry
-from kvtail_connector.demo.engine import start_engines
-from kvtail_connector.demo.pd import PDPair, PDResult, make_prompt, wrapped_kv_config
-from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
 from tests.e2e.support import mid_block_hit, require, require_bf16
 
 pytestmark = pytest.mark.e2e
@@ -293,7 +295,8 @@ class TestHybridMooncake:
 def test_demo_command_passes(model: str) -> None:
     require("nixl._api")
     r = subprocess.run(
-        [sys.executable, "-m", "kvtail_connector.demo", "--lengths", "45", "--max-tokens", "4"],
+        [sys.executable, "-m", "demo", "--lengths", "45", "--max-tokens", "4"],
+        env={**os.environ, "PYTHONPATH": procs.child_pythonpath(os.environ)},
         capture_output=True,
         text=True,
         timeout=170,

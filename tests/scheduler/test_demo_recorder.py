@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from kvtail_connector.demo.pd import PDPair, make_prompt
-from kvtail_connector.demo.records import GenResult, KVInfo
-from kvtail_connector.demo.scenarios import Outcome, _row, scenario
-from kvtail_connector.demo.server import _Recorder
+from demo.pd import PDPair, make_prompt
+from demo.records import GenResult, KVInfo
+from demo.scenarios import Outcome, _row, scenario
+from demo.server import _Recorder
 from tests.helpers.lifecycle import Harness
 from tests.helpers.vllm_factories import make_hybrid_mamba_kv_cache_config, run_step
 

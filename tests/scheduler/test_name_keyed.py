@@ -25,10 +25,10 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
+from demo.tiny_model import ensure_tiny_hybrid
 from kvtail_connector import _compat, name_keyed, plugin
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
 from kvtail_connector.inner_connector import inner_transfer_config, wrap_kv_transfer_config
 from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,

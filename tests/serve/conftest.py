@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.serving import Fleet, ServePair
-from kvtail_connector.demo.tiny_model import ensure_tiny_llama
+from demo.api_server import APIServer
+from demo.serving import Fleet, ServePair
+from demo.tiny_model import ensure_tiny_llama
 from tests.e2e.support import require
 
 

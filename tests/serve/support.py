@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvtail_connector.demo import procs
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.prom_text import delta, info_label, kvtail_values, total
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.workload import Answer, Prompt, openai_client, send, send_all
+from demo import procs
+from demo.api_server import APIServer
+from demo.prom_text import delta, info_label, kvtail_values, total
+from demo.router import Router
+from demo.workload import Answer, Prompt, openai_client, send, send_all
 
 T = TypeVar("T")
 MAX_TOKENS = 12

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.demo.faults import PoisonTail
-from kvtail_connector.demo.prefill_tap import PrefillTap
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.serving import ServePair
-from kvtail_connector.demo.workload import Prompt, mixed_prompts, openai_client, send, send_all
+from demo.faults import PoisonTail
+from demo.prefill_tap import PrefillTap
+from demo.router import Router
+from demo.serving import ServePair
+from demo.workload import Prompt, mixed_prompts, openai_client, send, send_all
 from tests.serve.conftest import Servers
 from tests.serve.support import (
     CONCURRENCY,

@@ -3,7 +3,7 @@
 The wrapped pair's prefill server feeds two decode servers, one per policy;
 each fault hits both at once (the same request shape through two routes). A
 route is a ``vllm-router`` in front of the prefill server and one decode server,
-with a :class:`~kvtail_connector.demo.prefill_tap.PrefillTap` between the router
+with a :class:`~demo.prefill_tap.PrefillTap` between the router
 and the prefill server: the faults between the legs happen there, after the
 prefill answer and before the router sends the decode leg. After every fault:
 
@@ -34,14 +34,14 @@ from typing import Any
 
 import pytest
 
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.faults import AfterPrefill, BlackHole, fake_prefill, nixl_params_to
-from kvtail_connector.demo.prefill_tap import AfterPrefill as TapHook
-from kvtail_connector.demo.prefill_tap import FakeAnswer, PrefillTap
-from kvtail_connector.demo.prom_text import total
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.serving import ServePair
-from kvtail_connector.demo.workload import (
+from demo.api_server import APIServer
+from demo.faults import AfterPrefill, BlackHole, fake_prefill, nixl_params_to
+from demo.prefill_tap import AfterPrefill as TapHook
+from demo.prefill_tap import FakeAnswer, PrefillTap
+from demo.prom_text import total
+from demo.router import Router
+from demo.serving import ServePair
+from demo.workload import (
     Answer,
     Prompt,
     completion_prompt,

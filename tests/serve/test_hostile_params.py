@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
+from demo.prefill_tap import PrefillTap
+from demo.router import Router
+from demo.serving import Fleet, ServePair
+from demo.tiny_model import ensure_tiny_llama
+from demo.workload import Answer, completion_prompt, openai_client, send
 from kvtail_connector import entry
-from kvtail_connector.demo.prefill_tap import PrefillTap
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.serving import Fleet, ServePair
-from kvtail_connector.demo.tiny_model import ensure_tiny_llama
-from kvtail_connector.demo.workload import Answer, completion_prompt, openai_client, send
 from tests.e2e.support import require
 from tests.serve.support import MAX_TOKENS, block_size, kvtail, wait_counts
 

@@ -6,7 +6,7 @@ no variable set by hand: vLLM's CPU platform picks the DS Mamba conv-state
 layout NIXL needs only for a NIXL connector it sees by name, and the wrapper's
 plugin sets it from the server's ``--kv-transfer-config`` (issue 23: both
 servers failed at start-up). Clients go through vllm-router, with a
-:class:`~kvtail_connector.demo.prefill_tap.PrefillTap` between the router and
+:class:`~demo.prefill_tap.PrefillTap` between the router and
 the prefill server (the faults between the legs happen there, as in
 ``test_faults.py``); one fleet and one router for the module.
 
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.faults import AfterPrefill
-from kvtail_connector.demo.prefill_tap import PrefillTap
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.serving import Fleet, ServePair
-from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid
-from kvtail_connector.demo.workload import Prompt, mixed_prompts, openai_client, send_all
+from demo.api_server import APIServer
+from demo.faults import AfterPrefill
+from demo.prefill_tap import PrefillTap
+from demo.router import Router
+from demo.serving import Fleet, ServePair
+from demo.tiny_model import ensure_tiny_hybrid
+from demo.workload import Prompt, mixed_prompts, openai_client, send_all
 from kvtail_connector.name_keyed import CONV_STATE_LAYOUT_ENV
 from tests.e2e.support import require
 from tests.serve.support import (

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtail_connector.demo.prom_text import total
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.serving import ServePair
-from kvtail_connector.demo.tiny_model import ensure_tiny_llama
-from kvtail_connector.demo.workload import mixed_prompts, openai_client, send_all
+from demo.prom_text import total
+from demo.router import Router
+from demo.serving import ServePair
+from demo.tiny_model import ensure_tiny_llama
+from demo.workload import mixed_prompts, openai_client, send_all
 from tests.e2e.support import require
 from tests.serve.conftest import Servers
 from tests.serve.support import (

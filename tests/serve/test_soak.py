@@ -25,9 +25,9 @@ from typing import Any
 import psutil
 import pytest
 
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.router import Router
-from kvtail_connector.demo.workload import (
+from demo.api_server import APIServer
+from demo.router import Router
+from demo.workload import (
     Answer,
     Prompt,
     mixed_prompts,

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvtail_connector.demo import procs
+from demo import procs
 
 
 def _listening(port: int) -> socket.socket:

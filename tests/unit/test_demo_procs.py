@@ -9,7 +9,7 @@ import pytest
 
 psutil = pytest.importorskip("psutil")
 
-from kvtail_connector.demo import procs  # noqa: E402
+from demo import procs  # noqa: E402
 
 
 def _group(script: str) -> subprocess.Popen:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvtail_connector.demo.__main__ import parse_args, scenario_name
-from kvtail_connector.demo.scenarios import scenario
+from demo.__main__ import parse_args, scenario_name
+from demo.scenarios import scenario
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvtail_connector.demo.prefill_tap import PrefillTap
+from demo.prefill_tap import PrefillTap
 
 pytest.importorskip("aiohttp")
 
@@ -116,7 +116,7 @@ def test_a_dead_upstream_drops_the_connection():
 
 def test_vllm_router_sends_the_decode_leg_with_the_answer_the_hook_left(fake, tmp_path):
     pytest.importorskip("vllm_router")
-    from kvtail_connector.demo.router import Router
+    from demo.router import Router
 
     url, seen = fake
 

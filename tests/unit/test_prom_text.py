@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from kvtail_connector.demo.prom_text import delta, info_label, kvtail_values, parse_metrics, total
+from demo.prom_text import delta, info_label, kvtail_values, parse_metrics, total
 
 TEXT = """\
 # HELP vllm:kvtail_tails_zeroed Tails zeroed.

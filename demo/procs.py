@@ -11,6 +11,9 @@ a process group, and their exit, without walking ``/proc`` or sleeping in loops.
 What stays a poll is waiting for a *service* to reach a state (a port open, an HTTP
 endpoint saying ready): :func:`wait_for`, the one such loop of the harness, with a
 deadline and an error naming what was awaited and what was last seen.
+
+The demo is not installed: :func:`child_pythonpath` is the PYTHONPATH under which a
+Python child (an API server and the processes it starts) imports it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,28 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
 
 T = TypeVar("T")
+
+# The folder holding the ``demo`` package: the repository root. The demo is not
+# installed (it is not in the wheel), so a Python process the harness starts finds it,
+# and the modules its command line names (``--worker-extension-cls demo.slot_rpc...``,
+# the ``sitecustomize``), only through PYTHONPATH: see :func:`child_pythonpath`.
+DEMO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_pythonpath(env: Mapping[str, str], *first: str | os.PathLike[str]) -> str:
+    """The PYTHONPATH for a Python child process of the harness: ``first``, then
+    ``env``'s own PYTHONPATH (what the parent was told to import first stays first),
+    then :data:`DEMO_ROOT`."""
+    entries = [*map(str, first), *env.get("PYTHONPATH", "").split(os.pathsep), str(DEMO_ROOT)]
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
+
 
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with .close()
 _cleanup_lock = threading.Lock()

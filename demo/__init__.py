@@ -1,4 +1,6 @@
-"""The P/D demo (``python -m kvtail_connector.demo``) and the engine harness behind it.
+"""The P/D demo (``python -m demo`` from the repository root) and the engine harness
+behind it. Not in the wheel: it is for a checkout; the Python processes it starts find
+it through the PYTHONPATH ``procs.child_pythonpath`` gives them.
 
 Two real vLLM CPU engines, each in its own process, move KV over NIXL or
 MooncakeStore on loopback; the harness can poison and inspect their KV slots.

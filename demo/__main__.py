@@ -1,4 +1,4 @@
-"""``python -m kvtail_connector.demo``: the stale-tail bug between two vLLM CPU engines,
+"""``python -m demo``: the stale-tail bug between two vLLM CPU engines,
 then the same requests through ``KVTailConnector``. By default a tiny Mamba hybrid
 over NIXL with the wrapper's default ``zero_tails: "auto"``.
 
@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtail_connector.demo import procs
-from kvtail_connector.demo.report import render
-from kvtail_connector.demo.scenarios import run, scenario
+from demo import procs
+from demo.report import render
+from demo.scenarios import run, scenario
 
 
 def _lengths(text: str) -> list[int]:
@@ -33,7 +33,7 @@ def _lengths(text: str) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m kvtail_connector.demo",
+        prog="python -m demo",
         description="P/D on two vLLM CPU engines: plain connector vs KVTailConnector.",
     )
     ap.add_argument(

@@ -11,8 +11,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from kvtail_connector.demo import procs
-from kvtail_connector.demo.prom_text import parse_metrics
+from demo import procs
+from demo.prom_text import parse_metrics
 
 
 def find_mooncake_master() -> str:

@@ -9,7 +9,7 @@ on exit, on Ctrl-C and on SIGTERM; the API server also dies with its parent
 
 The harness talks to a server over HTTP only: ``/health``, ``/metrics``, the
 OpenAI routes, and ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) into the
-:class:`~kvtail_connector.demo.slot_rpc.SlotRPC` worker methods.
+:class:`~demo.slot_rpc.SlotRPC` worker methods.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtail_connector.demo import procs
-from kvtail_connector.demo.nixl_progress import DELAY_ENV
-from kvtail_connector.demo.prom_text import Samples, parse_metrics
-from kvtail_connector.demo.records import BASE_ENV, DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
+from demo import procs
+from demo.nixl_progress import DELAY_ENV
+from demo.prom_text import Samples, parse_metrics
+from demo.records import BASE_ENV, DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS
 
 HOST = "127.0.0.1"
 SITE_DIR = Path(__file__).resolve().parent / "site"  # the harness's sitecustomize
-SLOT_RPC = "kvtail_connector.demo.slot_rpc.SlotRPC"
+SLOT_RPC = "demo.slot_rpc.SlotRPC"
 # A chat template for the tiny models (their tokenizers have none).
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -135,9 +135,9 @@ class APIServer:
                 "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 "OMP_NUM_THREADS": "1",  # several servers share two cores
-                "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p
-                ),
+                # The harness's sitecustomize, and the demo package it and
+                # --worker-extension-cls import (not installed: in the checkout).
+                "PYTHONPATH": procs.child_pythonpath(env, SITE_DIR),
             }
         )
         if self.spec.nixl_progress_delay_us:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtail_connector.demo.scenarios import Outcome, Row
+from demo.scenarios import Outcome, Row
 
 HEADERS = (
     "prompt",

@@ -1,6 +1,6 @@
 """Faults to inject between the two legs of a P/D request, and fake prefill sides.
 
-The ``after_prefill`` hooks run in :class:`~kvtail_connector.demo.prefill_tap.PrefillTap`
+The ``after_prefill`` hooks run in :class:`~demo.prefill_tap.PrefillTap`
 between the prefill leg's answer and the moment ``vllm-router`` gets it (and sends
 the decode leg):
 
@@ -23,8 +23,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from kvtail_connector.demo.api_server import APIServer
-from kvtail_connector.demo.prefill_tap import FakeAnswer
+from demo.api_server import APIServer
+from demo.prefill_tap import FakeAnswer
 
 
 def prompt_tokens(prefill_answer: dict[str, Any]) -> int:

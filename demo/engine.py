@@ -20,15 +20,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvtail_connector.demo import procs
-from kvtail_connector.demo.records import (
+from demo import procs
+from demo.records import (
     EngineCallError,
     EngineConfig,
     EngineError,
     GenResult,
     KVInfo,
 )
-from kvtail_connector.demo.server import engine_main
+from demo.server import engine_main
 
 
 class EngineProcess:
@@ -48,6 +48,8 @@ class EngineProcess:
     # --- life cycle -------------------------------------------------------
     def start(self) -> EngineProcess:
         """Spawn the process; returns at once (call wait_ready)."""
+        # A spawned child gets the parent's sys.path before it unpickles engine_main,
+        # so it imports this (uninstalled) demo from where the parent did.
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtail_connector.demo.engine import EngineProcess, start_engines
-from kvtail_connector.demo.mooncake import MooncakeMaster
-from kvtail_connector.demo.procs import free_ports
-from kvtail_connector.demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
+from demo.engine import EngineProcess, start_engines
+from demo.mooncake import MooncakeMaster
+from demo.procs import free_ports
+from demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
 from kvtail_connector.inner_connector import wrap_kv_transfer_config
 
 Backend = Literal["nixl", "mooncake"]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtail_connector.demo.tiny_model import WORDS
+from demo.tiny_model import WORDS
 
 Kind = Literal["completion", "chat"]
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtail_connector.demo import procs
+from demo import procs
 
 HOST = "127.0.0.1"
 

@@ -25,10 +25,10 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvtail_connector.demo.nixl_progress import slow_nixl_progress_thread
-from kvtail_connector.demo.procs import die_with_parent
-from kvtail_connector.demo.records import BASE_ENV, EngineConfig, GenResult, KVInfo
-from kvtail_connector.demo.slots import RPCS, NoSlotMapError
+from demo.nixl_progress import slow_nixl_progress_thread
+from demo.procs import die_with_parent
+from demo.records import BASE_ENV, EngineConfig, GenResult, KVInfo
+from demo.slots import RPCS, NoSlotMapError
 
 # The wrapper's Prometheus counters (vllm:kvtail_<name>), see kvtail_connector/prom.py.
 KVTAIL_METRIC_PREFIX = "vllm:kvtail_"

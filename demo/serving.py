@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtail_connector.demo.api_server import APIServer, ServerSpec, start_all
-from kvtail_connector.demo.mooncake import MooncakeMaster
-from kvtail_connector.demo.pd import Backend, ZeroTails, kv_config, wrapped_kv_config
+from demo.api_server import APIServer, ServerSpec, start_all
+from demo.mooncake import MooncakeMaster
+from demo.pd import Backend, ZeroTails, kv_config, wrapped_kv_config
 
 Policy = Literal["recompute", "fail"]
 

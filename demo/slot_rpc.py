@@ -2,7 +2,7 @@
 
 An API server reaches its workers only through ``/collective_rpc`` (with
 ``VLLM_SERVER_DEV_MODE=1``), which calls a worker method *by name* with JSON
-arguments. ``--worker-extension-cls kvtail_connector.demo.slot_rpc.SlotRPC``
+arguments. ``--worker-extension-cls demo.slot_rpc.SlotRPC``
 mixes these methods into vLLM's worker class (vLLM's own extension point), so
 the serving harness can poison and inspect a server's KV slots exactly as the
 in-process harness does through ``LLM.collective_rpc``.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtail_connector.demo import slots
+from demo import slots
 
 
 class SlotRPC:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtail_connector.demo.engine import start_engines
-from kvtail_connector.demo.pd import (
+from demo.engine import start_engines
+from demo.pd import (
     Backend,
     PDPair,
     PDResult,
@@ -29,7 +29,7 @@ from kvtail_connector.demo.pd import (
     make_prompt,
     wrapped_kv_config,
 )
-from kvtail_connector.demo.tiny_model import ensure_tiny_hybrid, ensure_tiny_llama
+from demo.tiny_model import ensure_tiny_hybrid, ensure_tiny_llama
 
 INNER_NAMES = {"nixl": "NixlConnector", "mooncake": "MooncakeStoreConnector"}
 FINITE_POISON = 12345.0
