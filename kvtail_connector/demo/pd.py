@@ -26,7 +26,7 @@ from kvtail_connector.demo.engine import EngineProcess, start_engines
 from kvtail_connector.demo.mooncake import MooncakeMaster
 from kvtail_connector.demo.procs import free_ports
 from kvtail_connector.demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
-from kvtail_connector.inner_connector import wrap_kv_transfer_config
+from kvtail_connector.inner import wrap_kv_transfer_config
 
 Backend = Literal["nixl", "mooncake"]
 ZeroTails = Literal["auto", "always", "off"]
