@@ -107,7 +107,7 @@ def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
 
 def _configs(num_blocks: int) -> tuple[Any, Any]:
     """(wrapper, bare) ``VllmConfig`` s, identical but for the connector."""
-    from kvtail_connector.inner_connector import wrapper_fields
+    from kvtail_connector.inner import wrapper_fields
     from tests.helpers import async_double
     from tests.helpers.vllm_factories import make_vllm_config
 

@@ -24,7 +24,7 @@ _BY_CLASS_NAME: dict[str, type[InnerAdapter]] = {
 
 _BUILT_IN = frozenset(_BY_CLASS_NAME)
 
-# pip extras by backend name prefix, for ImportErrors raised while loading one.
+# pip extras by inner connector name prefix, for ImportErrors raised while loading one.
 EXTRAS = {"Nixl": "nixl", "Mooncake": "mooncake", "MoRIIO": "moriio"}
 
 
@@ -57,9 +57,9 @@ def register_adapter(class_name: str, adapter: type[InnerAdapter]) -> None:
     _BY_CLASS_NAME[class_name] = adapter
 
 
-def extra_for(backend_name: str) -> str | None:
+def extra_for(inner_name: str) -> str | None:
     for prefix, extra in EXTRAS.items():
-        if backend_name.startswith(prefix):
+        if inner_name.startswith(prefix):
             return extra
     return None
 

@@ -13,7 +13,7 @@ class InnerAdapter:
     def __init__(self, inner_extra_config: dict[str, Any]) -> None:
         self.inner_extra_config = inner_extra_config
 
-    def validate(self, vllm_config: Any, backend_name: str) -> None:
+    def validate(self, vllm_config: Any, inner_name: str) -> None:
         """Refuse, at start-up, configurations this connector cannot run behind
         the wrapper (for out-of-tree adapters; vLLM's name-keyed checks are
         applied by :mod:`kvtail_connector.name_keyed`). Raise ValueError naming

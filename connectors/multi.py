@@ -1,9 +1,9 @@
-"""MultiConnector: every per-backend duty applies to each child, at its index.
+"""MultiConnector: every per-connector duty applies to each child, at its index.
 
 MultiConnector builds one connector per entry of its ``connectors`` list, in
 that order, and its metadata (``MultiKVConnectorMetadata.metadata``) is one
 entry per child in the same order; each child keeps its own extra config.
-So a child's adapter sees exactly what it would see as the backend: its
+So a child's adapter sees exactly what it would see as the inner connector: its
 own metadata for READ destinations, its own settings for READ mode. vLLM's
 name-keyed checks (``has_connector`` looks into a plain MultiConnector's
 children, never through the wrapper) are applied to the children by
@@ -32,9 +32,9 @@ class MultiConnectorAdapter(InnerAdapter):
         super().__init__(inner_extra_config)
         self.children = tuple(children)
 
-    def validate(self, vllm_config: Any, backend_name: str) -> None:
+    def validate(self, vllm_config: Any, inner_name: str) -> None:
         for label, child in self.children:
-            child.validate(vllm_config, f"{backend_name} child {label}")
+            child.validate(vllm_config, f"{inner_name} child {label}")
 
     @property
     def sync_read(self) -> bool:

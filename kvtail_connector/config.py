@@ -49,8 +49,9 @@ class KVTailConfig(BaseModel):
             MooncakeStore, MoRIIO, MultiConnector...): a name registered with
             vLLM's ``KVConnectorFactory`` or, with ``backend_module_path``, a
             class name in that module. The field keeps its public name; the
-            code calls this connector "inner" (``inner_connector`` resolves
-            it, ``connectors.InnerAdapter`` says what differs per class). It
+            code calls this connector "inner" (``kvtail_connector.inner``
+            resolves it, ``connectors.InnerAdapter`` says what differs per
+            class). It
             has nothing to do with the attention backend or the zeroer's
             kernel backend.
         backend_module_path: module defining ``backend`` (out-of-tree).

@@ -1,15 +1,18 @@
 """``KVTailConnector``: a thin facade around any vLLM KV connector.
 
-Role SCHEDULER delegates to :class:`~kvtail_connector.scheduler.TailScheduler`,
-role WORKER to :class:`~kvtail_connector.worker.TailWorker`; every hook and
-classmethod reaches the inner connector, built like a MultiConnector child.
+:func:`kvtail_connector.assembly.assemble` builds it (the inner connector, the
+policy, one side); this file holds the hooks. Role SCHEDULER delegates to
+:class:`~kvtail_connector.scheduler.TailScheduler`, role WORKER to
+:class:`~kvtail_connector.worker.TailWorker`; every hook reaches the inner
+connector, and every classmethod the inner class through
+:func:`kvtail_connector.inner.resolve`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,21 +23,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
-    supports_hma,
 )
 
-from kvtail_connector import _compat, entry, inner_connector, name_keyed, trust
+from kvtail_connector import _compat
+from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
-from kvtail_connector.kv_digests import HeadPlacement
-from kvtail_connector.kvgroups import group_infos
-from kvtail_connector.log import get_logger
+from kvtail_connector.inner import resolve, wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
-from kvtail_connector.policy import resolve_policy
 from kvtail_connector.prom import KVTailPromMetrics
-from kvtail_connector.scheduler import TailScheduler
 from kvtail_connector.stats import KVTailStats, connector_path
-from kvtail_connector.worker import RankPlacement, TailWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,46 +44,16 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = get_logger(__name__)
-
-
-def _parse(kv_transfer_config: Any) -> KVTailConfig:
-    return KVTailConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
-
-
-def _inner_class(kv_transfer_config: Any) -> tuple[type[KVConnectorBase_V1], Any, KVTailConfig]:
-    cfg = _parse(kv_transfer_config)
-    inner_ktc = inner_connector.inner_transfer_config(kv_transfer_config, cfg)
-    return inner_connector.resolve_backend_class(cfg, inner_ktc), inner_ktc, cfg
-
-
-def _vouch_summary(policy: Any) -> str:
-    parts = []
-    if policy.vouch_tails:
-        parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
-    if policy.trust_load_claims:
-        parts.append("trusting bound producer claims")
-    elif policy.trust_read_claims:
-        parts.append("trusting bound producer claims on per-layer READ tails only")
-    elif policy.check_claims:
-        parts.append("checking producer claims, zeroing every tail")
-    return ", ".join(parts) or "no claims made or trusted"
-
-
-def _verify_summary(policy: Any) -> str:
-    parts = []
-    if policy.digest_prompts:
-        parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
-    if policy.verify_loads:
-        parts.append("verifying loads against the producer's digest")
-    return ", ".join(parts) or "nothing digested"
-
 
 class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     """Wraps the connector named in ``kv_connector_extra_config.backend``.
 
     See :class:`~kvtail_connector.config.KVTailConfig` for the settings.
     """
+
+    # kvtail_connector.inner.WRAPPER_MARK: how the wrapper (or a subclass) is
+    # refused as its own inner connector without an import of this module.
+    is_kvtail_wrapper: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -95,126 +63,21 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         _compat.check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        assert vllm_config.kv_transfer_config is not None, "checked by the base class"
-        inner_cls, inner_ktc, cfg = _inner_class(vllm_config.kv_transfer_config)
-        self._cfg = cfg
-        entry_key = trust.key_from_env(cfg.entry_key_env)  # refused here when named but unset
-        inner_config = inner_connector.inner_vllm_config(vllm_config, cfg)
-        # A MultiConnector backend: each child gets its own adapter, at its index.
-        children = inner_connector.children_of(inner_cls, inner_ktc)
-        adapter = inner_connector.build_adapter(inner_cls, inner_ktc, children)
-        adapter.validate(vllm_config, cfg.backend)
-        # vLLM's rules keyed on the connector's name see "KVTailConnector":
-        # apply them to the inner one (and its MultiConnector children).
-        name_keyed.check_start_up(
-            vllm_config,
-            inner_ktc,
-            f"{inner_connector.BACKEND} ({cfg.backend})",
-            children=[(c.label, c.transfer_config.kv_connector) for c in children],
-            has_mamba=bool(kv_cache_config.has_mamba_layers),
-            is_worker=role == KVConnectorRole.WORKER,
-            kv_block_size=min(
-                (int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups),
-                default=None,
-            ),
-        )
-        self._inner_hma = supports_hma(inner_cls)
-        if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            blocker = inner_connector.hma_blocker(
-                f"{inner_connector.BACKEND} ({cfg.backend})", inner_ktc, children
-            )
-            if blocker is not None:
-                raise ValueError(
-                    f"{blocker}: does not support the hybrid KV cache manager (HMA), which is "
-                    "on. vLLM turns HMA off by itself only for a top-level connector without "
-                    "it, and the top level here is KVTailConnector: pass "
-                    "--disable-hybrid-kv-cache-manager."
-                )
-        self._inner: KVConnectorBase_V1 = inner_connector.build_inner(
-            inner_cls, inner_config, role, kv_cache_config, cfg
-        )
-
-        needs_zeroing = bool(kv_cache_config.needs_kv_cache_zeroing)
-        transfer = vllm_config.kv_transfer_config
-        policy = resolve_policy(
-            cfg,
-            needs_zeroing=needs_zeroing,
-            has_mamba=bool(kv_cache_config.has_mamba_layers),
-            is_consumer=bool(transfer.is_kv_consumer),
-            sync_read=adapter.sync_read,
-            writes_past_the_fence=adapter.writes_past_the_fence,
-            reads_may_land_per_layer=_compat.moriio_reads_may_land_per_layer(),
-            is_producer=bool(transfer.is_kv_producer),
-            carries_producer_tail=adapter.carries_producer_tail(vllm_config),
-            producer_hook=_compat.producer_tail_hook(vllm_config),  # type: ignore[arg-type]
-            dcp_world_size=_compat.dcp_world_size(vllm_config.parallel_config),
-            pipeline_parallel_size=int(vllm_config.parallel_config.pipeline_parallel_size),
-        )
-        self._policy = policy
-        parallel = vllm_config.parallel_config
-        dcp_rank, dcp_world = _compat.dcp_rank_and_world(_compat.dcp_world_size(parallel), role)
-        groups = group_infos(kv_cache_config, dcp_world)
-        specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
-        geometry = entry.geometry(
-            [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
-            dcp_world,
-            _compat.dcp_interleave_size(parallel),
-        )
-        self._stats = KVTailStats(inner_connector=connector_path(inner_cls))
+        parts = assemble(vllm_config, role, kv_cache_config)
+        self._cfg = parts.cfg
+        self._inner = parts.inner
+        self._inner_hma = parts.inner_supports_hma
+        self._policy = parts.policy
+        self._stats = parts.stats
+        # MoRIIO READ tails are zeroed once the READ has landed: after
+        # start_load_kv, or per layer after wait_for_layer_load (0.32).
+        self._sync_read = parts.sync_read
+        self._scheduler = parts.scheduler
+        self._worker = parts.worker
         # Every hook: the inner connector's part as if unwrapped, ours inside
         # try, its exceptions contained here (kvtail_connector.containment).
         self._guard = Containment(self._inner, self._stats)
         self._last_held = 0  # the held_requests level last reported
-        # MoRIIO READ tails are zeroed once the READ has landed: after
-        # start_load_kv, or per layer after wait_for_layer_load (0.32).
-        self._sync_read = adapter.sync_read
-        self._scheduler: TailScheduler | None = None
-        self._worker: TailWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = TailScheduler(
-                self._inner,
-                groups,
-                policy,
-                adapter=adapter,
-                stats=self._stats,
-                geometry=geometry,
-                num_workers=_compat.worker_count(parallel),
-                limits=entry.Limits(
-                    max_tokens=int(vllm_config.model_config.max_model_len),
-                    num_groups=len(kv_cache_config.kv_cache_groups),
-                    num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
-                ),
-                min_block_size=min((int(s.block_size) for s in specs), default=16),
-                key=entry_key,
-            )
-        else:
-            placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
-            self._worker = TailWorker(
-                groups,
-                placement,
-                policy,
-                counts_requests=_compat.counts_requests_on_this_rank(),
-                rank=_compat.worker_rank(),
-                stats=self._stats,
-                heads=HeadPlacement(*_compat.kv_head_placement(vllm_config))
-                if policy.digest_prompts or policy.verify_loads
-                else None,
-            )
-        zero = policy.zero_tails
-        logger.info(
-            "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
-            "probe_stale_tails=%s; vouch_tails=%s -> %s; verify_kv=%s -> %s",
-            role.name.lower(),
-            cfg.backend,
-            cfg.zero_tails,
-            needs_zeroing,
-            "zeroing tails" if zero else "not zeroing tails",
-            cfg.probe_stale_tails,
-            cfg.vouch_tails,
-            _vouch_summary(policy),
-            cfg.verify_kv,
-            _verify_summary(policy),
-        )
 
     @property
     def inner(self) -> KVConnectorBase_V1:
@@ -560,7 +423,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         if self._inner_hma:
             result = self._inner.request_finished_all_groups(request, block_ids)  # type: ignore[attr-defined]
         else:
-            assert len(block_ids) == 1, "a non-HMA backend runs with one KV cache group"
+            assert len(block_ids) == 1, "a non-HMA inner connector runs with one KV cache group"
             result = self._inner.request_finished(request, block_ids[0])
         self._request_finished(request, result[1])
         return result
@@ -608,9 +471,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         _compat.check_vllm_version()  # asked before the connector is built
         assert vllm_config.kv_transfer_config is not None
-        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
-        return inner_cls.get_required_kvcache_layout(
-            inner_connector.inner_vllm_config(vllm_config, cfg)
+        resolved = resolve(vllm_config.kv_transfer_config)
+        return resolved.inner_cls.get_required_kvcache_layout(
+            resolved.inner_vllm_config(vllm_config)
         )
 
     @classmethod
@@ -618,22 +481,16 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.config.kv_transfer import KVTransferConfig
 
         _compat.check_vllm_version()  # asked while vLLM builds its config
-        cfg = KVTailConfig.from_extra_config(extra_config)
-        # Only the class matters here; vLLM passes no role to this classmethod.
-        ktc = KVTransferConfig(
-            kv_role="kv_both",
-            kv_connector=cfg.backend,
-            kv_connector_module_path=cfg.backend_module_path,
-            kv_connector_extra_config=dict(cfg.backend_extra_config),
-        )
-        inner_cls = inner_connector.resolve_backend_class(cfg, ktc)
-        return bool(inner_cls.requires_piecewise_for_cudagraph(dict(cfg.backend_extra_config)))
+        # vLLM passes only the extra config (no role): only the class matters here.
+        resolved = resolve(KVTransferConfig(kv_role="kv_both", **wrapper_fields(extra_config)))
+        inner_extra_config = resolved.inner_transfer_config.kv_connector_extra_config
+        return bool(resolved.inner_cls.requires_piecewise_for_cudagraph(inner_extra_config))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         _compat.check_vllm_version()  # asked while vLLM builds its config (0.33)
-        inner_cls, inner_ktc, _ = _inner_class(kv_transfer_config)
-        return _compat.inner_supports_sleep_mode(inner_cls, inner_ktc)
+        resolved = resolve(kv_transfer_config)
+        return _compat.inner_supports_sleep_mode(resolved.inner_cls, resolved.inner_transfer_config)
 
     @classmethod
     def build_kv_connector_stats(
@@ -651,9 +508,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> KVConnectorPromMetrics | None:
         _compat.check_vllm_version()  # asked by the front end at start-up
         assert vllm_config.kv_transfer_config is not None
-        inner_cls, _, cfg = _inner_class(vllm_config.kv_transfer_config)
-        inner = inner_cls.build_prom_metrics(
-            inner_connector.inner_vllm_config(vllm_config, cfg),
+        resolved = resolve(vllm_config.kv_transfer_config)
+        inner = resolved.inner_cls.build_prom_metrics(
+            resolved.inner_vllm_config(vllm_config),
             metric_types,
             labelnames,
             per_engine_labelvalues,
@@ -663,5 +520,5 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             metric_types,
             labelnames,
             per_engine_labelvalues,
-            {connector_path(inner_cls): inner} if inner is not None else {},
+            {connector_path(resolved.inner_cls): inner} if inner is not None else {},
         )

@@ -5,8 +5,8 @@ with a name, directly or through ``KVTransferConfig.has_connector`` (the name,
 or a child of a ``MultiConnector`` by that name; one level, no class
 ancestry). Behind the wrapper it sees ``"KVTailConnector"``, never the
 connector inside. This module owns the mirror: each rule is applied to the
-inner connector's transfer config (``backend``, or the children of a
-``MultiConnector`` backend) with vLLM's own ``has_connector``, so that the
+inner connector's transfer config (``backend``, or the children of an
+inner ``MultiConnector``) with vLLM's own ``has_connector``, so that the
 wrapped engine behaves as the plain one would: the rule is applied where the
 wrapper's code runs before it matters, else the engine is refused at start-up
 with one message that names the setting that makes it work. Nothing differs
@@ -57,7 +57,7 @@ SimpleCPUOffload pool -- 0.33 v1/engine/core.py:376 (0.32: none).
     it with prefix caching on, naming ``--no-enable-prefix-caching``.
 HMA of a MultiConnector -- 0.32 and 0.33 distributed/kv_transfer/kv_connector/factory.py:139.
     vLLM: a MultiConnector supports HMA if every child does. Wrapper: mirrored
-    (``inner_connector.hma_blocker``), naming ``--disable-hybrid-kv-cache-manager``.
+    (``inner.hma_blocker``), naming ``--disable-hybrid-kv-cache-manager``.
 Step5 DSA transfer -- 0.33 models/step5/nvidia/model.py:319-324 (0.32: none).
     vLLM: refuses connectors other than MooncakeStore or NIXL with CUDA buffers.
     Wrapper: nothing; vLLM refuses at model load, before any connector exists.
@@ -225,7 +225,7 @@ RULES: tuple[Rule, ...] = (
             )
         ),
         "a MultiConnector supports HMA if every child does",
-        "mirrored by inner_connector.hma_blocker",
+        "mirrored by inner.hma_blocker",
     ),
     Rule(
         "step5_dsa",
@@ -306,12 +306,12 @@ def wrapped_configs(kv_transfer_config: Mapping[str, Any]) -> list[dict[str, Any
         if cfg.get("kv_connector") != WRAPPER:
             continue
         extra = _as_dict(cfg.get("kv_connector_extra_config")) or {}
-        backend = extra.get("backend")
-        if isinstance(backend, str):
+        inner_name = extra.get("backend")
+        if isinstance(inner_name, str):
             inners.append(
                 {
                     # As KVTailConfig reads it: surrounding spaces dropped.
-                    "kv_connector": backend.strip(),
+                    "kv_connector": inner_name.strip(),
                     "kv_connector_extra_config": _as_dict(extra.get("backend_extra_config")) or {},
                 }
             )

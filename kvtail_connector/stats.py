@@ -5,7 +5,7 @@ counters, plus each inner connector's own payload filed under that
 connector's class path. vLLM rebuilds stats through the top-level connector
 class only (``build_kv_connector_stats``), so on the front end the wrapper
 rebuilds the inner stats the same way, through the inner connector class's
-own ``build_kv_connector_stats``: a MultiConnector backend rebuilds its
+own ``build_kv_connector_stats``: an inner MultiConnector rebuilds its
 children there, as it would at the top level.
 """
 
@@ -104,7 +104,7 @@ class KVTailStats(KVConnectorStats):
             files the inner stats under it.
         inner_stats: inner stats by connector class path. One entry per
             wrapper; several where an outer MultiConnector aggregates
-            wrappers around different backends (vLLM merges its children's
+            wrappers around different inner connectors (vLLM merges its children's
             stats by class name, and every wrapper is a KVTailConnector).
     """
 
@@ -185,7 +185,7 @@ class KVTailStats(KVConnectorStats):
         live = {path: s for path, s in self.inner_stats.items() if not s.is_empty()}
         if len(live) == 1:
             out.update(next(iter(live.values())).reduce())
-        else:  # several backends: one entry each, as MultiConnector logs its children
+        else:  # several inner connectors: one entry each, as MultiConnector logs its children
             for path, stats in live.items():
                 out[path.rpartition(":")[2]] = stats.reduce()
         return out

@@ -15,7 +15,7 @@ import torch
 from kvtail_connector import entry, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
 from tests.helpers import async_double

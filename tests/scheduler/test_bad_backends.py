@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector import plugin
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 BACKEND = "kv_connector_extra_config.backend"
@@ -152,3 +152,24 @@ def test_the_wrapper_cannot_wrap_itself_under_any_name(out_of_tree, registry, ex
 def test_stray_spaces_around_the_backend_are_dropped():
     wrapper = start({"backend": "  NixlConnector "})
     assert type(wrapper.inner).__name__ == "NixlPullConnector"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"backend": "NoSuchConnector"}, {"backend": "KVTailConnector"}, {"zero_tails": "always"}],
+    ids=["unknown", "itself", "no-backend"],
+)
+def test_the_classmethods_refuse_as_the_build_does(extra):
+    # vLLM asks them before (or without) building the connector: one
+    # resolution, one message, whichever asks first.
+    message = refusal(extra)
+    vllm_config = make_vllm_config(**wrapper_fields(extra))
+    asks = [
+        lambda: KVTailConnector.get_required_kvcache_layout(vllm_config),
+        lambda: KVTailConnector.requires_piecewise_for_cudagraph(extra),
+        lambda: KVTailConnector.supports_sleep_mode(vllm_config.kv_transfer_config),
+    ]
+    for ask in asks:
+        with pytest.raises(ValueError) as info:
+            ask()
+        assert str(info.value) == message

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import KVTailStats
 from tests.helpers import recording

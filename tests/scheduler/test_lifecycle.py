@@ -15,7 +15,7 @@ import torch
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import dcp_local_valid_slots
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.worker import RankPlacement, TailWorker

@@ -42,7 +42,7 @@ from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.connectors.moriio import MoRIIOAdapter
 from kvtail_connector.connectors.nixl import NixlAdapter
-from kvtail_connector.inner_connector import wrap_kv_transfer_config, wrapper_fields
+from kvtail_connector.inner import wrap_kv_transfer_config, wrapper_fields
 from kvtail_connector.stats import KVTailStats, connector_path
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 from tests.scheduler.test_observability import registry_metric_types

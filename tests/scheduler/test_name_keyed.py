@@ -29,7 +29,7 @@ from demo.tiny_model import ensure_tiny_hybrid
 from kvtail_connector import _compat, name_keyed, plugin
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import inner_transfer_config, wrap_kv_transfer_config
+from kvtail_connector.inner import inner_transfer_config, wrap_kv_transfer_config
 from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,

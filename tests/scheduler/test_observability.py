@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import PARENT
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord

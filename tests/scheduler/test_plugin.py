@@ -18,7 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from kvtail_connector import _compat, plugin
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.log import PARENT
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.stats import KVTailStats, connector_path
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 

@@ -27,13 +27,13 @@ def test_kv_transfer_configs_parse_and_resolve(path):
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvtail_connector import inner_connector
+    from kvtail_connector.inner import resolve
 
-    outer = KVTransferConfig(**ktc)
-    inner = inner_connector.inner_transfer_config(outer, cfg)
-    assert inner.kv_role == ktc["kv_role"]
+    resolved = resolve(KVTransferConfig(**ktc))
+    assert resolved.cfg == cfg
+    assert resolved.inner_transfer_config.kv_role == ktc["kv_role"]
     registered = KVConnectorFactory.get_connector_class_by_name(cfg.backend)
-    assert inner_connector.resolve_backend_class(cfg, inner) is registered
+    assert resolved.inner_cls is registered
 
 
 def _commands(script: Path) -> list[list[str]]:

@@ -40,7 +40,7 @@ import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from kvtail_connector.stats import COUNTERS
 from tests.helpers.vllm_factories import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.inner_connector import wrapper_fields
+from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata
 from tests.helpers.vllm_factories import (
     make_request,

@@ -8,8 +8,11 @@ The inner connector gets the wrapper's ``kv_transfer_config`` with
 (``kv_role``, ``engine_id``, ``kv_buffer_device``, ports, failure policy...)
 is inherited unchanged.
 
-Every way a backend can be wrong ends here, at start-up, in one ValueError
-(ImportError for a missing transport) that names the field and the fix.
+:func:`resolve` is the one resolution (the config parsed, the inner transfer
+config, the inner class) that the facade's build and its classmethods share.
+Every way an inner connector can be wrong ends here, at start-up, in one
+ValueError (ImportError for a missing transport) that names the field and the
+fix. This module does not import the facade (which builds through it).
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ from kvtail_connector.plugin import CONNECTOR_NAME
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-BACKEND = f"{PREFIX}.backend"
-BACKEND_MODULE_PATH = f"{PREFIX}.backend_module_path"
-CHILDREN = f"{PREFIX}.backend_extra_config.connectors"
+# The user's fields that name the inner connector, as messages name them.
+BACKEND_FIELD = f"{PREFIX}.backend"
+BACKEND_MODULE_PATH_FIELD = f"{PREFIX}.backend_module_path"
+CHILDREN_FIELD = f"{PREFIX}.backend_extra_config.connectors"
+
+WRAPPER_MARK = "is_kvtail_wrapper"
+"""The class attribute ``KVTailConnector`` sets to True: a connector class that
+has it (the wrapper or a subclass) cannot be wrapped. Looked up by name, so that
+this module needs no import of the facade."""
 
 
 def wrapper_fields(extra_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,11 +80,43 @@ def inner_transfer_config(outer: Any, cfg: KVTailConfig) -> Any:
     )
 
 
-def inner_vllm_config(vllm_config: Any, cfg: KVTailConfig) -> Any:
-    """A shallow copy of ``vllm_config`` whose transfer config names the inner connector."""
-    inner = copy.copy(vllm_config)
-    inner.kv_transfer_config = inner_transfer_config(vllm_config.kv_transfer_config, cfg)
-    return inner
+@dataclass(frozen=True)
+class Resolved:
+    """The wrapper's config and the connector inside it, resolved once.
+
+    Attributes:
+        cfg: the wrapper's settings (``kv_connector_extra_config``, parsed).
+        inner_cls: the inner connector's class.
+        inner_transfer_config: its ``KVTransferConfig`` (see
+            :func:`inner_transfer_config`).
+    """
+
+    cfg: KVTailConfig
+    inner_cls: type[KVConnectorBase_V1]
+    inner_transfer_config: Any
+
+    def inner_vllm_config(self, vllm_config: Any) -> Any:
+        """A shallow copy of ``vllm_config`` whose transfer config names the inner
+        connector: what the inner connector and its classmethods are given. Its
+        transfer config is a new one each call (the inner connector owns its copy)."""
+        inner = copy.copy(vllm_config)
+        inner.kv_transfer_config = inner_transfer_config(vllm_config.kv_transfer_config, self.cfg)
+        return inner
+
+
+def resolve(kv_transfer_config: Any) -> Resolved:
+    """Parse the wrapper's ``kv_transfer_config`` and resolve the inner class.
+
+    Raises:
+        ValueError: a bad setting or an inner connector that cannot be
+            resolved or wrapped, naming the field and the fix.
+        ImportError: the inner connector's transport is missing, naming the
+            extra to install.
+    """
+    cfg = KVTailConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
+    transfer_config = inner_transfer_config(kv_transfer_config, cfg)
+    cls = _resolve(cfg.backend, cfg.backend_module_path, transfer_config, _Fields.of_inner())
+    return Resolved(cfg, cast("type[KVConnectorBase_V1]", cls), transfer_config)
 
 
 @dataclass(frozen=True)
@@ -86,12 +127,12 @@ class _Fields:
     module_path: str
 
     @classmethod
-    def of_backend(cls) -> _Fields:
-        return cls(BACKEND, BACKEND_MODULE_PATH)
+    def of_inner(cls) -> _Fields:
+        return cls(BACKEND_FIELD, BACKEND_MODULE_PATH_FIELD)
 
     @classmethod
     def of_child(cls, index: int) -> _Fields:
-        here = f"{CHILDREN}[{index}]"
+        here = f"{CHILDREN_FIELD}[{index}]"
         return cls(f"{here}.kv_connector", f"{here}.kv_connector_module_path")
 
 
@@ -132,20 +173,18 @@ def _check_connector_class(obj: Any, name: str, path: str | None, fields: _Field
     """``obj`` if it is a connector class the wrapper can wrap, else one clear ValueError."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from kvtail_connector.connector import KVTailConnector
-
     where = f"{name!r} in module {path!r}" if path is not None else repr(name)
     if not isinstance(obj, type) or not issubclass(obj, KVConnectorBase_V1):
         raise ValueError(
             f"{fields.name}: {where} is {_describe(obj)}, not a vLLM KV connector (a subclass "
             "of KVConnectorBase_V1). Name the connector class to wrap."
         )
-    if issubclass(obj, KVTailConnector):
-        what = "KVTailConnector" if obj is KVTailConnector else "a subclass of KVTailConnector"
+    if getattr(obj, WRAPPER_MARK, False) is True:
+        what = "KVTailConnector" if WRAPPER_MARK in vars(obj) else "a subclass of KVTailConnector"
         raise ValueError(
             f"{fields.name}: {where} is {what}, and the wrapper cannot wrap itself. Name the "
             'connector it should wrap (e.g. "NixlConnector"); for several, wrap a '
-            f"MultiConnector and list them in {CHILDREN}."
+            f"MultiConnector and list them in {CHILDREN_FIELD}."
         )
     return obj
 
@@ -181,15 +220,9 @@ def _resolve(name: str, path: str | None, transfer_config: Any, fields: _Fields)
     return _check_connector_class(cls, name, path, fields)
 
 
-def resolve_backend_class(cfg: KVTailConfig, inner_ktc: Any) -> type[KVConnectorBase_V1]:
-    """The inner connector class, or a ValueError/ImportError that says how to fix it."""
-    cls = _resolve(cfg.backend, cfg.backend_module_path, inner_ktc, _Fields.of_backend())
-    return cast("type[KVConnectorBase_V1]", cls)
-
-
 @dataclass(frozen=True)
 class Child:
-    """One connector a MultiConnector backend builds, at its index in ``connectors``.
+    """One connector an inner MultiConnector builds, at its index in ``connectors``.
 
     Attributes:
         label: the child as messages name it (its field and connector name).
@@ -211,7 +244,7 @@ def _is_multi(cls: type) -> bool:
 
 
 def children_of(cls: type, transfer_config: Any) -> tuple[Child, ...]:
-    """The children a MultiConnector backend builds (``()`` for any other connector).
+    """The children an inner MultiConnector builds (``()`` for any other connector).
 
     Each gets the ``KVTransferConfig`` MultiConnector gives it: its own entry
     of ``connectors``, with the parent's ``engine_id`` unless it sets one.
@@ -228,13 +261,13 @@ def children_of(cls: type, transfer_config: Any) -> tuple[Child, ...]:
     entries = (transfer_config.kv_connector_extra_config or {}).get("connectors")
     if not isinstance(entries, list) or not entries:
         raise ValueError(
-            f"{CHILDREN}: a MultiConnector backend needs a non-empty list of connector "
+            f"{CHILDREN_FIELD}: a MultiConnector backend needs a non-empty list of connector "
             'configs, e.g. [{"kv_connector": "NixlConnector", "kv_role": "kv_both"}, ...]'
         )
     children = []
     for i, entry in enumerate(entries):
         fields = _Fields.of_child(i)
-        here = f"{CHILDREN}[{i}]"
+        here = f"{CHILDREN_FIELD}[{i}]"
         if not isinstance(entry, Mapping) or not entry.get("kv_connector"):
             raise ValueError(
                 f'{here}: expected a connector config with "kv_connector" and "kv_role"; '
@@ -252,12 +285,14 @@ def children_of(cls: type, transfer_config: Any) -> tuple[Child, ...]:
     return tuple(children)
 
 
-def build_adapter(cls: type, transfer_config: Any, children: tuple[Child, ...]) -> InnerAdapter:
+def build_inner_adapter(
+    cls: type, transfer_config: Any, children: tuple[Child, ...]
+) -> InnerAdapter:
     """The adapter of ``cls``; a MultiConnector gets its children's, one per index."""
     return adapter_for(
         cls,
         dict(transfer_config.kv_connector_extra_config or {}),
-        [(c.label, build_adapter(c.cls, c.transfer_config, c.children)) for c in children],
+        [(c.label, build_inner_adapter(c.cls, c.transfer_config, c.children)) for c in children],
     )
 
 
@@ -268,7 +303,7 @@ def hma_blocker(label: str, transfer_config: Any, children: tuple[Child, ...]) -
     0.32 and 0.33): a connector supports HMA if its class does, a
     MultiConnector if every child does. vLLM applies it to the top-level
     connector only, where it sees the wrapper (which always supports HMA);
-    this applies it to the backend and names the innermost child at fault.
+    this applies it to the inner connector and names the innermost child at fault.
     """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -280,10 +315,10 @@ def hma_blocker(label: str, transfer_config: Any, children: tuple[Child, ...]) -
 
 
 def build_inner(
-    cls: type, inner_config: Any, role: Any, kv_cache_config: Any, cfg: KVTailConfig
-) -> Any:
+    resolved: Resolved, vllm_config: Any, role: Any, kv_cache_config: Any
+) -> KVConnectorBase_V1:
     """Instantiate the inner connector; ImportErrors name the extra to install."""
     try:
-        return cls(inner_config, role, kv_cache_config)
+        return resolved.inner_cls(resolved.inner_vllm_config(vllm_config), role, kv_cache_config)
     except ImportError as e:
-        raise ImportError(_missing_extra_hint(cfg.backend, BACKEND, e)) from e
+        raise ImportError(_missing_extra_hint(resolved.cfg.backend, BACKEND_FIELD, e)) from e

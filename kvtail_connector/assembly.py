@@ -1,0 +1,272 @@
+"""How a ``KVTailConnector`` is built: :func:`assemble`, once per connector.
+
+In the order data flows: the config (parsed once, with the inner class, by
+:func:`kvtail_connector.inner.resolve`) -> the inner connector (its children,
+adapter, name-keyed start-up checks and HMA check, then built) -> the facts
+vLLM's config and the adapter state about this engine -> the policy
+(:func:`~kvtail_connector.policy.resolve_policy`) -> one side, the
+:class:`~kvtail_connector.scheduler.TailScheduler` or the
+:class:`~kvtail_connector.worker.TailWorker`. Every refusal is raised here, at
+start-up, before any hook runs; the facade keeps only what its hooks use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    supports_hma,
+)
+
+from kvtail_connector import _compat, entry, name_keyed, trust
+from kvtail_connector.config import KVTailConfig
+from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.inner import (
+    BACKEND_FIELD,
+    Resolved,
+    build_inner,
+    build_inner_adapter,
+    children_of,
+    hma_blocker,
+    resolve,
+)
+from kvtail_connector.kv_digests import HeadPlacement
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.log import get_logger
+from kvtail_connector.policy import ProducerHook, TailPolicy, resolve_policy
+from kvtail_connector.scheduler import TailScheduler
+from kvtail_connector.stats import KVTailStats, connector_path
+from kvtail_connector.worker import RankPlacement, TailWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """What the facade's hooks use; exactly one of ``scheduler`` and ``worker`` is set.
+
+    Attributes:
+        cfg: the wrapper's settings.
+        inner: the inner connector, built.
+        inner_supports_hma: its class implements ``SupportsHMA``
+            (``request_finished_all_groups``).
+        policy: the wrapper's duties on this engine.
+        stats: the counters both the facade and the side write.
+        sync_read: the inner connector loads by synchronous READ (MoRIIO
+            READ): READ tails are zeroed after ``start_load_kv`` or per layer.
+        scheduler: the scheduler side (role SCHEDULER), else None.
+        worker: the worker side (role WORKER), else None.
+    """
+
+    cfg: KVTailConfig
+    inner: KVConnectorBase_V1
+    inner_supports_hma: bool
+    policy: TailPolicy
+    stats: KVTailStats
+    sync_read: bool
+    scheduler: TailScheduler | None
+    worker: TailWorker | None
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What vLLM's config and the inner connector's adapter say about this
+    engine: the arguments of :func:`~kvtail_connector.policy.resolve_policy`
+    beside the user's config (each field is the parameter of that name)."""
+
+    needs_zeroing: bool
+    has_mamba: bool
+    is_consumer: bool
+    sync_read: bool
+    writes_past_the_fence: bool
+    reads_may_land_per_layer: bool
+    is_producer: bool
+    carries_producer_tail: bool
+    producer_hook: ProducerHook | None
+    dcp_world_size: int
+    pipeline_parallel_size: int
+
+
+def assemble(
+    vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+) -> Assembled:
+    """Build the wrapper's parts for ``role``: config -> inner -> facts -> policy -> one side.
+
+    Raises:
+        ValueError: a setting, an inner connector or an engine the wrapper
+            cannot run with, naming the field and the fix.
+        ImportError: a missing transport, naming the extra to install.
+    """
+    assert vllm_config.kv_transfer_config is not None, "checked by the base class"
+    resolved = resolve(vllm_config.kv_transfer_config)
+    cfg = resolved.cfg
+    entry_key = trust.key_from_env(cfg.entry_key_env)  # refused here when named but unset
+    adapter, inner = _inner(resolved, vllm_config, role, kv_cache_config)
+    facts = _engine_facts(vllm_config, kv_cache_config, adapter)
+    policy = resolve_policy(cfg, **dataclasses.asdict(facts))
+    stats = KVTailStats(inner_connector=connector_path(resolved.inner_cls))
+    scheduler, worker = _one_side(
+        vllm_config, role, kv_cache_config, inner, adapter, policy, stats, entry_key
+    )
+    logger.info(
+        "KVTailConnector (%s) wrapping %s: zero_tails=%s (model needs zeroing: %s) -> %s; "
+        "probe_stale_tails=%s; vouch_tails=%s -> %s; verify_kv=%s -> %s",
+        role.name.lower(),
+        cfg.backend,
+        cfg.zero_tails,
+        facts.needs_zeroing,
+        "zeroing tails" if policy.zero_tails else "not zeroing tails",
+        cfg.probe_stale_tails,
+        cfg.vouch_tails,
+        _vouch_summary(policy),
+        cfg.verify_kv,
+        _verify_summary(policy),
+    )
+    return Assembled(
+        cfg=cfg,
+        inner=inner,
+        inner_supports_hma=supports_hma(resolved.inner_cls),
+        policy=policy,
+        stats=stats,
+        sync_read=adapter.sync_read,
+        scheduler=scheduler,
+        worker=worker,
+    )
+
+
+def _inner(
+    resolved: Resolved, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any
+) -> tuple[InnerAdapter, KVConnectorBase_V1]:
+    """The inner connector's adapter, then the connector itself, once every
+    start-up check has passed."""
+    cfg, transfer_config = resolved.cfg, resolved.inner_transfer_config
+    label = f"{BACKEND_FIELD} ({cfg.backend})"
+    # An inner MultiConnector: each child gets its own adapter, at its index.
+    children = children_of(resolved.inner_cls, transfer_config)
+    adapter = build_inner_adapter(resolved.inner_cls, transfer_config, children)
+    adapter.validate(vllm_config, cfg.backend)
+    # vLLM's rules keyed on the connector's name see "KVTailConnector":
+    # apply them to the inner one (and its MultiConnector children).
+    name_keyed.check_start_up(
+        vllm_config,
+        transfer_config,
+        label,
+        children=[(c.label, c.transfer_config.kv_connector) for c in children],
+        has_mamba=bool(kv_cache_config.has_mamba_layers),
+        is_worker=role == KVConnectorRole.WORKER,
+        kv_block_size=min(
+            (int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups),
+            default=None,
+        ),
+    )
+    if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        blocker = hma_blocker(label, transfer_config, children)
+        if blocker is not None:
+            raise ValueError(
+                f"{blocker}: does not support the hybrid KV cache manager (HMA), which is "
+                "on. vLLM turns HMA off by itself only for a top-level connector without "
+                "it, and the top level here is KVTailConnector: pass "
+                "--disable-hybrid-kv-cache-manager."
+            )
+    return adapter, build_inner(resolved, vllm_config, role, kv_cache_config)
+
+
+def _engine_facts(vllm_config: Any, kv_cache_config: Any, adapter: InnerAdapter) -> EngineFacts:
+    transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    return EngineFacts(
+        needs_zeroing=bool(kv_cache_config.needs_kv_cache_zeroing),
+        has_mamba=bool(kv_cache_config.has_mamba_layers),
+        is_consumer=bool(transfer.is_kv_consumer),
+        sync_read=adapter.sync_read,
+        writes_past_the_fence=adapter.writes_past_the_fence,
+        reads_may_land_per_layer=_compat.moriio_reads_may_land_per_layer(),
+        is_producer=bool(transfer.is_kv_producer),
+        carries_producer_tail=adapter.carries_producer_tail(vllm_config),
+        producer_hook=cast("ProducerHook | None", _compat.producer_tail_hook(vllm_config)),
+        dcp_world_size=_compat.dcp_world_size(parallel),
+        pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+    )
+
+
+def _one_side(
+    vllm_config: Any,
+    role: KVConnectorRole,
+    kv_cache_config: Any,
+    inner: KVConnectorBase_V1,
+    adapter: InnerAdapter,
+    policy: TailPolicy,
+    stats: KVTailStats,
+    entry_key: bytes | None,
+) -> tuple[TailScheduler | None, TailWorker | None]:
+    """The side ``role`` runs, over this rank's view of the KV cache groups."""
+    parallel = vllm_config.parallel_config
+    dcp_rank, dcp_world = _compat.dcp_rank_and_world(_compat.dcp_world_size(parallel), role)
+    groups = group_infos(kv_cache_config, dcp_world)
+    if role == KVConnectorRole.SCHEDULER:
+        specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+        geometry = entry.geometry(
+            [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
+            dcp_world,
+            _compat.dcp_interleave_size(parallel),
+        )
+        scheduler = TailScheduler(
+            inner,
+            groups,
+            policy,
+            adapter=adapter,
+            stats=stats,
+            geometry=geometry,
+            num_workers=_compat.worker_count(parallel),
+            limits=entry.Limits(
+                max_tokens=int(vllm_config.model_config.max_model_len),
+                num_groups=len(kv_cache_config.kv_cache_groups),
+                num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
+            ),
+            min_block_size=min((int(s.block_size) for s in specs), default=16),
+            key=entry_key,
+        )
+        return scheduler, None
+    placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
+    worker = TailWorker(
+        groups,
+        placement,
+        policy,
+        counts_requests=_compat.counts_requests_on_this_rank(),
+        rank=_compat.worker_rank(),
+        stats=stats,
+        heads=HeadPlacement(*_compat.kv_head_placement(vllm_config))
+        if policy.digest_prompts or policy.verify_loads
+        else None,
+    )
+    return None, worker
+
+
+def _vouch_summary(policy: TailPolicy) -> str:
+    parts = []
+    if policy.vouch_tails:
+        parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
+    if policy.trust_load_claims:
+        parts.append("trusting bound producer claims")
+    elif policy.trust_read_claims:
+        parts.append("trusting bound producer claims on per-layer READ tails only")
+    elif policy.check_claims:
+        parts.append("checking producer claims, zeroing every tail")
+    return ", ".join(parts) or "no claims made or trusted"
+
+
+def _verify_summary(policy: TailPolicy) -> str:
+    parts = []
+    if policy.digest_prompts:
+        parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
+    if policy.verify_loads:
+        parts.append("verifying loads against the producer's digest")
+    return ", ".join(parts) or "nothing digested"
