@@ -259,7 +259,7 @@ def digest_rows(reps: int) -> list[dict]:
 
         def drain(out):
             failed = set(out.failed_recving)
-            while worker._digests.held:  # held: the next passes release them
+            while worker._verify.held():  # held: the next passes release them
                 out = worker.transfer_results(KVConnectorTransferResults(), set(), _NoLoadErrors())
                 failed |= out.failed_recving
             assert not failed, "the digest must match"
@@ -322,7 +322,7 @@ def main() -> int:
             bind_us = host_time(
                 bind, args.reps, before=lambda f=finished, w=worker: w._loads.clear()
             )
-            worker._loads.clear()
+            worker._tails._loads.clear()
             rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtail_connector import _compat, entry, inner_connector, name_keyed, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
-from kvtail_connector.kv_digests import HeadPlacement
+from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
@@ -304,7 +304,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker
         assert worker is not None
         try:
-            worker.zero_producer_tails()
+            worker.produce()
         except Exception as exc:
             self._guard.failed(exc, hook, (), worker.contain_producer)
 

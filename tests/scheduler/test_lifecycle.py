@@ -268,7 +268,7 @@ def test_tails_zeroed_in_one_call_for_several_requests():
     for i, n in enumerate((70, 45, 33)):
         h.land(f"r{i}", 0, 0, n)
     calls = []
-    zeroer = h.worker._worker._zeroer
+    zeroer = h.worker._worker._rank.zeroer
     original = zeroer.zero_lines
     zeroer.zero_lines = lambda lines: calls.append(list(lines)) or original(lines)
     h.step()

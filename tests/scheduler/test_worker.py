@@ -77,7 +77,7 @@ def test_fence_waits_for_earlier_zeroing_only_when_pending(done, calls):
     worker = make_tail_worker(make_kv_cache_config(block_size=16, num_blocks=8))
     worker.fence()  # nothing zeroed yet (and always so on CPU): no wait
     event = _Event(done)
-    worker._last_zeroing = event  # what a CUDA zeroing launch records
+    worker._rank.last_zeroing = event  # what a CUDA zeroing launch records
     worker.fence()
     assert event.calls == calls
 
@@ -91,7 +91,7 @@ def test_start_load_kv_fences_before_the_inner_load():
     order = []
     event = _Event(False)
     event.synchronize = lambda: order.append("fence")  # type: ignore[method-assign]
-    wrapper._worker._last_zeroing = event
+    wrapper._worker._rank.last_zeroing = event
     original = inner.start_load_kv
     inner.start_load_kv = lambda *a, **k: (order.append("inner"), original(*a, **k))
     wrapper.start_load_kv(None)

@@ -39,7 +39,7 @@ def test_adapters_import_from_a_checkout_without_the_installer_mapping() -> None
 _WORKER_PROBE = """
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks/vllm_stub"]
-import kvtail_connector.worker, kvtail_connector.kv_digests, kvtail_connector.metadata
+import kvtail_connector.worker, kvtail_connector.metadata
 print("pydantic" in sys.modules)
 """
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
-from kvtail_connector.completion_hold import MAX_PASSES
+from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
     MISMATCH,
@@ -182,7 +182,7 @@ class RankDigests:
 
     def release(self) -> tuple[set[str], set[str]]:
         """``(finished, mismatched)``: held loads whose sums reached the host
-        (after :data:`~kvtail_connector.completion_hold.MAX_PASSES` passes,
+        (after :data:`~kvtail_connector.features.consumer_tails.hold.MAX_PASSES` passes,
         waited for), compared; a mismatch is logged and goes in both sets,
         as vLLM's ``failed_recving`` contract has it."""
         finished: set[str] = set()
