@@ -433,7 +433,7 @@ class _WorkerPair:
         self.wrapper.register_kv_caches(self.caches.views)
         self.bare.register_kv_caches(self.caches.views)
         self.tail_worker = self.wrapper._worker  # the TailWorker
-        assert self.tail_worker is not None and self.tail_worker._zeroer is not None
+        assert self.tail_worker is not None and self.tail_worker._rank.zeroer is not None
 
     def metas(self, n: int, *, tracked: bool, offset: int = 0) -> tuple[Any, Any]:
         """(wrapper metadata, bare metadata) for n loads finishing in one call.
@@ -595,7 +595,7 @@ def bench_worker(layer_counts: tuple[int, ...], reps_scale: float) -> dict[str, 
             entry["b_breakdown"] = _breakdown(pair, meta_w, max(30, slow_reps // 4))
             # The same calls with the zeroing itself stubbed out: the wrapper's
             # bookkeeping around the launch, which the GPU path pays as well.
-            zeroer = pair.tail_worker._zeroer
+            zeroer = pair.tail_worker._rank.zeroer
             hook = "zero_lines"
             setattr(zeroer, hook, lambda *a, **k: 0)
             try:

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
 )
 
+from kvtail_connector.features.zeroing import RankPlacement  # noqa: E402
 from kvtail_connector.kvgroups import GroupInfo  # noqa: E402
 from kvtail_connector.metadata import (  # noqa: E402
     ExpectedDigest,
@@ -47,7 +48,7 @@ from kvtail_connector.metadata import (  # noqa: E402
 )
 from kvtail_connector.policy import TailPolicy  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import RankPlacement, TailWorker  # noqa: E402
+from kvtail_connector.worker import TailWorker  # noqa: E402
 
 BLOCK_TOKENS = 16
 DIGEST_SIZES = ((1, 1024), (1, 8192), (16, 1024))  # (prompts, tokens each)
@@ -187,7 +188,7 @@ def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[d
 
         def step(meta=meta):
             worker.bind(meta)
-            worker.zero_producer_tails()
+            worker.produce()
             worker.worker_meta(None)
 
         step()
@@ -227,7 +228,7 @@ def digest_rows(
 
         def produce(meta=meta, parts=parts):
             worker.bind(meta)
-            worker.zero_producer_tails()
+            worker.produce()
             parts.update(worker.worker_meta(None).digests)
 
         def read_back(parts=parts):
@@ -258,7 +259,7 @@ def digest_rows(
 
         def drain(out):
             failed = set(out.failed_recving)
-            while worker._digests.held:  # held: the next passes release them
+            while worker._verify.held():  # held: the next passes release them
                 out = worker.transfer_results(KVConnectorTransferResults(), set(), _NoLoadErrors())
                 failed |= out.failed_recving
             assert not failed, "the digest must match"
@@ -321,7 +322,7 @@ def main() -> int:
             bind_us = host_time(
                 bind, args.reps, before=lambda f=finished, w=worker: w._loads.clear()
             )
-            worker._loads.clear()
+            worker._tails._loads.clear()
             rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"

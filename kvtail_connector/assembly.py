@@ -25,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtail_connector import _compat, entry, name_keyed, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.inner import (
     BACKEND_FIELD,
     Resolved,
@@ -34,13 +36,12 @@ from kvtail_connector.inner import (
     hma_blocker,
     resolve,
 )
-from kvtail_connector.kv_digests import HeadPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.policy import ProducerHook, TailPolicy, resolve_policy
 from kvtail_connector.scheduler import TailScheduler
 from kvtail_connector.stats import KVTailStats, connector_path
-from kvtail_connector.worker import RankPlacement, TailWorker
+from kvtail_connector.worker import TailWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -167,7 +167,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker
         assert worker is not None
         try:
-            worker.zero_producer_tails()
+            worker.produce()
         except Exception as exc:
             self._guard.failed(exc, hook, (), worker.contain_producer)
 

@@ -20,10 +20,11 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import RankPlacement, TailWorker
+from kvtail_connector.worker import TailWorker
 
 POISON = float("nan")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.features.read_tails.by_layer import ReadTailsByLayer
 from kvtail_connector.ops import reference_zero_kv_blocks
-from kvtail_connector.read_tails import ReadTailsByLayer
 from tests.helpers.layouts import make_backing, rebase, to_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -15,8 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvtail_connector import completion_hold
 from kvtail_connector.connectors import adapter_for
+from kvtail_connector.features.consumer_tails import hold as completion_hold
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from tests.helpers.vllm_factories import make_kv_cache_config

@@ -11,14 +11,15 @@ launches that returned, and a device error is never contained.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector import kv_digests as kv_digests_mod
 from kvtail_connector.containment import Containment
+from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from tests.helpers.lifecycle import Harness
@@ -48,7 +49,7 @@ from tests.scheduler.test_read_tails import setup  # noqa: F401  (a fixture)
 
 def _guard(worker: Any) -> Containment:
     """The facade's guard around ``worker`` (no inner connector's frames)."""
-    return Containment(object(), worker._stats)
+    return Containment(object(), worker._rank.stats)
 
 
 # ------------------------------------------------ 1. per-layer READ tails
@@ -80,7 +81,7 @@ def _decode_then_next_read(s: Any) -> None:
 
 def test_a_failed_read_staging_leaves_nothing_for_the_next_step(setup, monkeypatch):  # noqa: F811
     s = setup
-    _inject_once(monkeypatch, s.worker._by_layer, "stage")
+    _inject_once(monkeypatch, s.worker._reads._by_layer, "stage")
     _reads_started_contained(s.worker)  # step k: a and b armed, staging fails
     assert s.stats.data["internal_errors"] == 1
     assert s.worker.num_tracked == 0
@@ -95,7 +96,7 @@ def test_a_failed_end_step_leaves_no_layer_work_behind(setup, monkeypatch):  # n
     s = setup
     s.worker.reads_started(landed=False)
     s.worker.layer_loaded(READ_LAYERS[0])  # the other layers' waits never ran
-    _inject_once(monkeypatch, s.worker._by_layer, "zero")
+    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
     try:
         s.worker.end_step()
     except Exception as exc:
@@ -118,7 +119,7 @@ def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):
         loads=(LoadRecord("async", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),),
         read_loads=(LoadRecord("read", 0, 21, (GroupLoad(0, 0, (3, 4)),)),),
     )
-    _inject_once(monkeypatch, worker._errors, "track")
+    _inject_once(monkeypatch, worker._errors._ledger, "track")
     try:
         worker.bind(meta)
     except Exception as exc:
@@ -129,8 +130,8 @@ def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):
     _reads_started_contained(worker, landed=True)
     for view in views:
         assert bool((view[4, :, :5] == 1.0).all()) and not view[4, :, 5:].any()
-    assert worker._stats.data["internal_errors"] == 1
-    assert worker._stats.data["tails_zeroed"] == 1
+    assert worker._rank.stats.data["internal_errors"] == 1
+    assert worker._rank.stats.data["tails_zeroed"] == 1
 
 
 # ------------------------------------------------ 2. completions held back
@@ -175,7 +176,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
         LoadRecord("b", 0, 21, (GroupLoad(0, 0, (3, 4)),)),
     )
     worker.bind(KVTailMetadata(inner=None, loads=loads))  # type: ignore[arg-type]
-    hold_zeroed = worker._hold_zeroed
+    hold_zeroed = worker._tails.hold
     passes = []
 
     def release_then_fail(*args: Any) -> Any:
@@ -185,7 +186,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
             raise Injected("after the hold released")
         return out
 
-    monkeypatch.setattr(worker, "_hold_zeroed", release_then_fail)
+    monkeypatch.setattr(worker._tails, "hold", release_then_fail)
 
     def transfer_results(finished: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults(finished_recving=finished, failed_recving=set())
@@ -207,7 +208,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
     assert passes[1] == {"a", "b"}
     assert out.finished_recving == {"a", "b"} and out.failed_recving == {"a", "b"}
     assert worker.num_tracked == 0
-    assert worker._stats.data["internal_errors"] == 1
+    assert worker._rank.stats.data["internal_errors"] == 1
 
 
 # ------------------------------------------------ 4. counters
@@ -215,7 +216,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
 
 def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
     h = Harness("always")
-    _inject_once(monkeypatch, h.worker._worker._zeroer, "zero_lines")
+    _inject_once(monkeypatch, h.worker._worker._rank.zeroer, "zero_lines")
     _load(h, "r1")
     h.step()  # the launch raises: r1 reported failed
     _assert_recomputed(h, "r1")
@@ -230,12 +231,13 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_read_entry", "_written_blocks"])
+@pytest.mark.parametrize("method", ["_reader._read", "_records.written_blocks"])
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
     # _read_entry: read_entry fails, the scheduler's update never runs;
     # _written_blocks: the update fails before the load is tracked in flight.
     h = Harness("always")
-    _inject_once(monkeypatch, h.scheduler.connector._scheduler, method)
+    owner, _, name = method.rpartition(".")
+    _inject_once(monkeypatch, operator.attrgetter(owner)(h.scheduler.connector._scheduler), name)
     _load(h, "r1")
     h.step()
     _assert_recomputed(h, "r1")
@@ -273,7 +275,7 @@ class _BrokenEvent:
 @pytest.mark.parametrize("error", _device_errors(), ids=lambda e: type(e).__name__)
 def test_a_device_error_in_the_fence_is_not_contained(error):
     h = Harness("always")
-    h.worker._worker._last_zeroing = _BrokenEvent(error)
+    h.worker._worker._rank.last_zeroing = _BrokenEvent(error)
     with pytest.raises(type(error)) as caught:
         h.step()  # start_load_kv: the fence queries the event
     assert caught.value is error
@@ -282,7 +284,7 @@ def test_a_device_error_in_the_fence_is_not_contained(error):
 
 def test_another_error_in_the_fence_is_contained():
     h = Harness("always")
-    h.worker._worker._last_zeroing = _BrokenEvent(RuntimeError("not a device error"))
+    h.worker._worker._rank.last_zeroing = _BrokenEvent(RuntimeError("not a device error"))
     h.step()
     h.worker.get_kv_connector_stats()
     assert h.stats["internal_errors"] == 1
@@ -294,7 +296,7 @@ def test_a_device_error_in_a_fallback_is_not_contained(error):
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     worker = make_tail_worker(kv)
     worker.register_kv_caches(allocate(kv).views, kv)
-    worker._last_zeroing = _BrokenEvent(error)
+    worker._rank.last_zeroing = _BrokenEvent(error)
     results = KVConnectorTransferResults(finished_recving={"a"})
     with pytest.raises(type(error)) as caught:
         _guard(worker).failed(
@@ -304,7 +306,7 @@ def test_a_device_error_in_a_fallback_is_not_contained(error):
             lambda: worker.contain_transfer_results(results, set()),
         )
     assert caught.value is error
-    assert worker._stats.data["internal_errors"] == 1  # the first failure: ours, counted
+    assert worker._rank.stats.data["internal_errors"] == 1  # the first failure: ours, counted
 
 
 def test_device_errors_are_told_from_others():

@@ -12,6 +12,7 @@ still propagate unchanged, as without the wrapper.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import pytest
@@ -82,15 +83,16 @@ def _assert_clean_load_zeroed(h: Harness, req_id: str) -> None:
     [
         ("worker", "on_transfer_results"),  # get_transfer_results, at completion
         ("worker", "bind"),  # bind_connector_metadata: the record is lost
-        ("scheduler", "_record"),  # update_state_after_alloc: no record built
+        ("scheduler", "_records.record"),  # update_state_after_alloc: no record built
         ("scheduler", "build_connector_meta"),  # the step's metadata
     ],
 )
 def test_an_internal_error_fails_the_load_and_the_engine_goes_on(side, method, caplog):
     h = Harness("always")
     part = h.worker._worker if side == "worker" else h.scheduler.connector._scheduler
+    owner, _, method = method.rpartition(".")
     with pytest.MonkeyPatch.context() as patch:
-        _inject_once(patch, part, method)
+        _inject_once(patch, operator.attrgetter(owner)(part) if owner else part, method)
         ids = _load(h, "r1")
         view = h.caches.views[LAYERS[0]]
         h.step()  # the load completes: reported failed, not finished clean
@@ -144,7 +146,7 @@ def test_a_failing_fallback_is_contained_too(caplog):
 def test_a_producer_hook_failure_makes_no_claim(caplog):
     h = Harness("always", kv_role="kv_producer")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h.worker._worker, "zero_producer_tails", _raise)
+        patch.setattr(h.worker._worker, "produce", _raise)
         h.add("p1", 37, max_tokens=1, do_remote_decode=True)
         out, engine_outputs = run_step(h.scheduler, h.worker)
     params = {
@@ -165,7 +167,7 @@ def test_a_producer_hook_failure_makes_no_claim(caplog):
 def test_a_scheduler_side_failure_at_output_makes_no_claim():
     h = Harness("always", kv_role="kv_producer")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h.scheduler.connector._scheduler, "_grant_claims", _raise)
+        patch.setattr(h.scheduler.connector._scheduler._claims, "granted", _raise)
         h.add("p1", 37, max_tokens=1, do_remote_decode=True)
         _, engine_outputs = run_step(h.scheduler, h.worker)
     params = {
@@ -188,7 +190,7 @@ class InnerFault(RuntimeError):
     [
         ("worker", "get_transfer_results"),  # called by the facade
         ("worker", "get_block_ids_with_load_errors"),  # called from the wrapper's ledger
-        ("scheduler", "get_loaded_kv_cache_group_ids"),  # called from TailScheduler._record
+        ("scheduler", "get_loaded_kv_cache_group_ids"),  # called from LoadRecords.record
         ("scheduler", "update_state_after_alloc"),
         ("scheduler", "build_connector_meta"),
     ],
@@ -245,7 +247,7 @@ def test_invalid_blocks_reach_vllm_when_attributing_them_fails():
         h.step()
         ids = h.inner_scheduler.blocks_by_req["r1"][0]
         h.worker.inner.report_invalid_blocks("r1", {ids[1]})
-        patch.setattr(h.worker._worker._errors, "_attribute", _raise)
+        patch.setattr(h.worker._worker._errors._ledger, "_attribute", _raise)
         out = run_step(h.scheduler, h.worker)[0]
         del out
     _assert_recomputed(h, "r1")
@@ -257,7 +259,7 @@ def test_invalid_blocks_reach_vllm_when_attributing_them_fails():
 
 
 def test_the_ledger_keeps_fetched_ids_for_the_runner_when_attributing_fails():
-    from kvtail_connector.load_errors import LoadErrorLedger
+    from kvtail_connector.features.load_errors.ledger import LoadErrorLedger
 
     class Inner:
         def __init__(self) -> None:

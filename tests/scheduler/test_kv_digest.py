@@ -18,7 +18,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import entry
-from kvtail_connector import kv_digests as kv_digests_mod
+from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step

@@ -15,10 +15,11 @@ import torch
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import dcp_local_valid_slots
+from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import RankPlacement, TailWorker
+from kvtail_connector.worker import TailWorker
 from tests.helpers import async_double
 from tests.helpers.lifecycle import BLOCK, Harness, slot_state
 from tests.helpers.vllm_factories import (
@@ -268,7 +269,7 @@ def test_tails_zeroed_in_one_call_for_several_requests():
     for i, n in enumerate((70, 45, 33)):
         h.land(f"r{i}", 0, 0, n)
     calls = []
-    zeroer = h.worker._worker._zeroer
+    zeroer = h.worker._worker._rank.zeroer
     original = zeroer.zero_lines
     zeroer.zero_lines = lambda lines: calls.append(list(lines)) or original(lines)
     h.step()

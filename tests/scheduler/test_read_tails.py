@@ -150,7 +150,9 @@ def test_wrapper_hooks_reach_the_worker_in_order():
     from tests.scheduler.test_forwarding import build
 
     wrapper, inner, _ = build(KVConnectorRole.WORKER)
-    wrapper._sync_read = True  # as for MoRIIO READ (its worker needs ROCm)
+    # As for a MoRIIO READ consumer (its worker needs ROCm): READ tails on.
+    wrapper._sync_read = True
+    wrapper._worker = make_tail_worker(make_kv_cache_config(block_size=16, num_blocks=8))
     order: list[tuple[str, object]] = []
     worker = wrapper._worker
     worker.reads_started = lambda landed: order.append(("reads_started", landed))
@@ -192,7 +194,7 @@ def test_when_the_launch_fails_the_landed_tails_are_zeroed_on_the_reference_path
     def broken(*_a: object, **_k: object) -> None:
         raise RuntimeError("injected")
 
-    s.worker._zero = broken
+    s.worker._rank.zero = broken
     with pytest.raises(RuntimeError):
         s.worker.reads_started(landed=True)
     s.worker.contain_reads(records, landed=True)

@@ -88,7 +88,7 @@ def v2_step(
 def _record_calls(h: Harness, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     worker = h.worker._worker
-    for name in ("zero_producer_tails", "worker_meta"):
+    for name in ("produce", "worker_meta"):
         original = getattr(worker, name)
 
         def traced(*args: Any, _name: str = name, _f: Any = original, **kw: Any) -> Any:
@@ -145,7 +145,7 @@ def test_p_claims_and_digests_what_the_forward_wrote_before_the_step_metadata(mo
         assert slot_state(h.caches.views[layer], ids[2])[PROMPT % BLOCK :] == ["zero"] * 11
     # Order: zeroing (finish_forward) before the step's worker metadata, and
     # both before post_forward returned; finalize_step's hooks after it.
-    assert calls.index("zero_producer_tails") < calls.index("worker_meta")
+    assert calls.index("produce") < calls.index("worker_meta")
     assert calls.index("worker_meta") < calls.index("post_forward returned")
     if defer:
         assert calls.index("wait_for_save") > calls.index("post_forward returned")

@@ -77,7 +77,7 @@ def test_fence_waits_for_earlier_zeroing_only_when_pending(done, calls):
     worker = make_tail_worker(make_kv_cache_config(block_size=16, num_blocks=8))
     worker.fence()  # nothing zeroed yet (and always so on CPU): no wait
     event = _Event(done)
-    worker._last_zeroing = event  # what a CUDA zeroing launch records
+    worker._rank.last_zeroing = event  # what a CUDA zeroing launch records
     worker.fence()
     assert event.calls == calls
 
@@ -91,7 +91,7 @@ def test_start_load_kv_fences_before_the_inner_load():
     order = []
     event = _Event(False)
     event.synchronize = lambda: order.append("fence")  # type: ignore[method-assign]
-    wrapper._worker._last_zeroing = event
+    wrapper._worker._rank.last_zeroing = event
     original = inner.start_load_kv
     inner.start_load_kv = lambda *a, **k: (order.append("inner"), original(*a, **k))
     wrapper.start_load_kv(None)
@@ -161,9 +161,10 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
     # DCP 2, interleave 16 (what NIXL needs), 16-slot pages: 24 valid tokens of
     # a 32-token block fill rank 0's page and 8 slots of rank 1's. Only the
     # counting rank counts requests, whatever its own share of the work is.
+    from kvtail_connector.features.zeroing import RankPlacement
     from kvtail_connector.kvgroups import group_infos
     from kvtail_connector.stats import KVTailStats
-    from kvtail_connector.worker import RankPlacement, TailWorker
+    from kvtail_connector.worker import TailWorker
 
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     groups = group_infos(kv, 2)

@@ -211,7 +211,7 @@ def test_a_producer_with_sync_reads_may_digest():
 
 
 def test_segments_inside_a_range_match_a_brute_force_count():
-    from kvtail_connector.kv_digests import _inside
+    from kvtail_connector.features.kv_verification.rank_digests import _inside
 
     for segment in (256, 1024):
         for n in (1, 255, 256, 257, 3000, 4096):

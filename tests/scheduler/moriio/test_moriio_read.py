@@ -628,6 +628,7 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
         worker = make_tail_worker(
             kv,
             read_tails_by_layer=per_layer,
+            check_claims=True,  # as resolve_policy has it wherever a claim can be vouched
             trust_load_claims=vouch_tails == "trust",
             stats=stats,
         )

@@ -10,6 +10,7 @@ reference is the same step through a wrapper that does not fail.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
@@ -39,7 +40,8 @@ def _read_step(factory: Any, fault: str | None) -> tuple[Any, Any, set[int]]:
     run = factory(wrapped=True, kv_cache_config=_mixed())
     ts = run.scheduler.connector._scheduler
     if fault is not None:
-        setattr(ts, fault, _raise)
+        owner, _, name = fault.rpartition(".")
+        setattr(operator.attrgetter(owner)(ts) if owner else ts, name, _raise)
     remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
     run.add("read", TOKENS, _peer_params(remote, req_id="read"))
     out = run.scheduler.schedule()  # contained: does not raise
@@ -52,7 +54,7 @@ def _internal_errors(run: Any) -> int:
 
 
 def test_a_failed_metadata_build_leaves_vllms_zero_list_untouched(make_run):  # noqa: F811
-    run, out, tails = _read_step(make_run, "_read_records")
+    run, out, tails = _read_step(make_run, "_reads._read_records")
     assert _internal_errors(run) == 1
     (built,) = run.built
     # No READ record shipped, and vLLM zeroes the READ's blocks, tails
@@ -62,7 +64,7 @@ def test_a_failed_metadata_build_leaves_vllms_zero_list_untouched(make_run):  # 
     assert tails <= set(out.new_block_ids_to_zero)
 
 
-@pytest.mark.parametrize("fault", ["_read_entry", "update_state_after_alloc", "_after_alloc"])
+@pytest.mark.parametrize("fault", ["_reader._read", "update_state_after_alloc", "_allocated"])
 def test_a_failed_alloc_still_ships_the_read_record(make_run, fault):  # noqa: F811
     ref_run, ref, ref_tails = _read_step(make_run, None)
     run, out, tails = _read_step(make_run, fault)

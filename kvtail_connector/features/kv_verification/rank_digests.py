@@ -13,7 +13,7 @@ the completion until the sums are on the host, compares the segments that lie
 entirely inside the loaded range with P's, and reports a mismatch as a failed
 load (:meth:`RankDigests.release`). Each rank compares the heads it holds.
 
-Sums are keyed by logical coordinates (``ops/digest.py``): P and D may differ
+Sums are keyed by logical coordinates (``ops/digest/``): P and D may differ
 in block ids, block size, page layout and TP. Covered: every KV cache group
 with token tails held in one cache set of one slot per token; other groups
 (several page splits, compressed states) and groups whose blocks a
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
-from kvtail_connector.completion_hold import MAX_PASSES
+from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
     MISMATCH,
@@ -188,7 +188,7 @@ class RankDigests:
 
     def release(self) -> tuple[set[str], set[str]]:
         """``(finished, mismatched)``: held loads whose sums reached the host
-        (after :data:`~kvtail_connector.completion_hold.MAX_PASSES` passes,
+        (after :data:`~kvtail_connector.features.consumer_tails.hold.MAX_PASSES` passes,
         waited for), compared; a mismatch is logged and goes in both sets,
         as vLLM's ``failed_recving`` contract has it."""
         finished: set[str] = set()

@@ -1,0 +1,237 @@
+"""The ``kvtail`` entry on the scheduler side: a producer writes it, a
+consumer reads it once per request.
+
+The entry (:mod:`kvtail_connector.entry`, its wire model) carries what two
+parts say across the network: producer claims (``tail_zero``) and KV
+verification (``dg``). A producer adds one entry per request, bound to the
+transfer its params name and signed with the shared key, if any
+(:class:`EntryWriter`). A consumer reads it before the inner
+``update_state_after_alloc`` (NIXL push rewrites ``remote_block_ids`` there),
+only for the features that are on, and hands each part its half
+(:class:`EntryReader`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtail_connector import entry, trust
+from kvtail_connector._version import __version__
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import ExpectedDigest
+from kvtail_connector.policy import TailPolicy
+from kvtail_connector.stats import KVTailStats
+
+logger = get_logger(__name__)
+
+Reading = tuple[int | None, ExpectedDigest | None]  # (claim, expected digest)
+NOTHING: Reading = (None, None)
+
+
+def decline(stats: KVTailStats, request: Any, why: str) -> None:
+    """A producer claim not used: counted, and why at DEBUG."""
+    stats.add("vouches_declined", 1)
+    logger.debug("kvtail: %s: producer claim declined (%s)", request.request_id, why)
+
+
+def binding_nodes(limits: entry.Limits, min_block_size: int) -> int:
+    # A producer of a smaller block size (NIXL maps block size ratios)
+    # sends up to 4x the block ids D's own would have.
+    return trust.binding_nodes(limits, max(1, min_block_size // 4))
+
+
+class EntryWriter:
+    """A producer's entries.
+
+    Args:
+        geometry: this engine's tail geometry, as the entry states it.
+        binding_nodes: the most values a transfer's binding may walk.
+        key: the shared entry key (``entry_key_env``), or None.
+        stats: counts ``tails_vouched`` and ``digests_sent``.
+    """
+
+    def __init__(
+        self,
+        geometry: entry.Geometry | None,
+        *,
+        binding_nodes: int,
+        key: bytes | None,
+        stats: KVTailStats,
+    ) -> None:
+        self._geometry = geometry
+        self._binding_nodes = binding_nodes
+        self._key = key
+        self._stats = stats
+
+    def send_all(
+        self,
+        claims: dict[str, tuple[dict[str, Any], int]],
+        digests: dict[str, tuple[dict[str, Any], int, entry.Digest]],
+    ) -> None:
+        """One entry per request: its claim (params, prompt length) and/or its
+        digest (params, prompt length, digest)."""
+        # request id -> (its params, prompt length, tail confirmed, digest)
+        sent: dict[str, tuple[dict[str, Any], int, bool, entry.Digest | None]] = {
+            req_id: (params, n, True, None) for req_id, (params, n) in claims.items()
+        }
+        for req_id, (params, n, digest) in digests.items():
+            sent[req_id] = (params, n, req_id in sent, digest)
+        for req_id, (params, n, tail_zero, dg) in sent.items():
+            self.send(req_id, params, n, tail_zero, dg)
+
+    def send(
+        self,
+        req_id: str,
+        params: dict[str, Any],
+        num_tokens: int,
+        tail_zero: bool,
+        digest: entry.Digest | None,
+    ) -> None:
+        """Add the entry, bound to the transfer its params name and signed
+        with the shared key, if any; none where the params name no transfer."""
+        assert self._geometry is not None, "a producer knows its geometry"
+        bound = trust.binding(params, self._binding_nodes)
+        if bound is None:
+            logger.debug("kvtail: %s: the params name no transfer to bind to: no entry", req_id)
+            return
+        wire = entry.Entry(
+            num_tokens=num_tokens,
+            geometry=self._geometry,
+            tail_zero=tail_zero,
+            digest=digest,
+            producer_version=__version__,
+            binding=bound,
+        ).to_json()
+        if self._key is not None:
+            mac = trust.sign(self._key, wire)
+            assert mac is not None, "an entry the producer built is JSON"
+            wire["mac"] = mac
+        params[entry.KEY] = wire
+        if tail_zero:
+            self._stats.add("tails_vouched", 1)
+        if digest is not None:
+            self._stats.add("digests_sent", 1)
+
+
+class EntryReader:
+    """A consumer's readings of producers' entries, once per request.
+
+    Args:
+        policy: which features read the entry (claims, verification).
+        geometry: this engine's tail geometry (a claim holds only for the same).
+        limits: what an entry can hold on this engine (its model).
+        binding_nodes: the most values a transfer's binding may walk.
+        key: the shared entry key (``entry_key_env``), or None.
+        stats: the counters this side reports.
+    """
+
+    def __init__(
+        self,
+        policy: TailPolicy,
+        *,
+        geometry: entry.Geometry | None,
+        limits: entry.Limits,
+        binding_nodes: int,
+        key: bytes | None,
+        stats: KVTailStats,
+    ) -> None:
+        self._policy = policy
+        self._geometry = geometry
+        self._limits = limits
+        self._binding_nodes = binding_nodes
+        self._key = key
+        self._stats = stats
+        # req_id -> the reading, taken at alloc; and every request's reading
+        # until it finishes (read once per request).
+        self._entries: dict[str, Reading] = {}
+        self._seen: dict[str, Reading] = {}
+
+    def read(self, request: Any, load_async: bool) -> None:
+        """Read ``request``'s entry for the allocation that follows."""
+        req_id = request.request_id
+        seen = self._seen.get(req_id)
+        if seen is not None:  # allocated again (0.32's MoRIIO re-matches): counted once
+            self._entries[req_id] = seen
+            return
+        policy = self._policy
+        claims = policy.check_claims and (
+            policy.zero_tails if load_async else policy.zero_read_tails
+        )
+        digest = load_async and policy.verify_loads
+        if claims or digest:
+            # The binding (and MAC) only where something depends on them: a
+            # claim that can skip a zeroing, or a digest that can fail a load.
+            usable = claims and (
+                policy.trust_load_claims if load_async else policy.trust_read_claims
+            )
+            found = self._read(request, claims=claims, bind=usable or digest, digest=digest)
+            self._entries[req_id] = self._seen[req_id] = found
+
+    def take(self, req_id: str) -> Reading:
+        """The reading for this allocation (``NOTHING`` if none)."""
+        return self._entries.pop(req_id, NOTHING)
+
+    def drop(self, req_id: str) -> None:
+        self._entries.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self._entries.pop(req_id, None)
+        self._seen.pop(req_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._entries) + len(self._seen)
+
+    def _read(self, request: Any, *, claims: bool, bind: bool, digest: bool) -> Reading:
+        """The producer's ``kvtail`` entry of ``request``: ``(claim, expected)``.
+        ``claim`` (with ``claims``): the prompt length a zero-tail claim
+        covers, where the entry is valid, made for this geometry and (with
+        ``bind``) bound to these params and MAC-checked with a key; anything
+        else is counted in ``vouches_declined``. Without ``bind`` the claim
+        can only be counted (``vouches_unused``), so the binding, which walks
+        every block id of the params, is not computed. ``expected`` (with
+        ``digest``, which implies ``bind``): the producer's digest of this
+        prompt under the same conditions; anything else is counted in
+        ``digests_skipped``."""
+        params = request.kv_transfer_params
+        # With a key the MAC covers the whole entry, dg included: walk it all.
+        reading = entry.read(params, self._limits, digest=digest, walk_digest=self._key is not None)
+        found, why = reading.entry, reading.why
+        if found is not None and bind:
+            why = self._bound(found, reading.raw, params)
+        claim = None
+        if claims and why != "absent":
+            if found is None or why != "ok":
+                decline(self._stats, request, why)
+            elif found.tail_zero:
+                if found.geometry == self._geometry:
+                    claim = found.num_tokens
+                else:
+                    decline(self._stats, request, f"geometry {found.geometry} vs {self._geometry}")
+            elif reading.raw is not None and "dg" not in reading.raw:
+                decline(self._stats, request, "claims nothing")  # a digest alone claims no tail
+        expected = None
+        if digest:
+            if found is not None and why == "ok" and found.digest is not None:
+                if found.num_tokens == int(request.num_prompt_tokens):
+                    expected = ExpectedDigest(found.num_tokens, found.digest)
+                else:
+                    why = "digest of another prompt length"
+            elif why == "ok":
+                why = f"digest {reading.digest_why}"
+            if expected is None:
+                self._stats.add("digests_skipped", 1)
+                logger.debug("kvtail: %s: no producer digest used (%s)", request.request_id, why)
+        return claim, expected
+
+    def _bound(self, found: entry.Entry, raw: Any, params: Any) -> str:
+        """``"ok"`` where ``found`` carries a valid MAC (with a key) and the
+        binding of the params it came with; else why not."""
+        if self._key is not None and (found.mac is None or not trust.verifies(self._key, raw)):
+            return "no valid MAC" if found.mac is None else "MAC does not verify"
+        if found.binding is None:
+            return "unbound"
+        mine = trust.binding(params, self._binding_nodes)
+        if mine is None or mine != found.binding:
+            return "bound to another transfer"
+        return "ok"

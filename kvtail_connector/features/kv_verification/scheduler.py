@@ -1,0 +1,165 @@
+"""KV verification (``verify_kv: digest``), scheduler half.
+
+On a producer: ship every block of each remote-decode prompt the step
+completes for the workers to digest, and when the request finishes keep its
+params until ``update_connector_output`` brings the ranks' summed digest,
+which the entry then carries (``dg``). On a consumer: the digest read from the
+entry travels with the load (``LoadRecord.expected``); the ranks' verdicts
+are folded per load and counted once vLLM reports the load finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtail_connector import entry
+from kvtail_connector.features.records import (
+    LoadRecords,
+    completing_prompts,
+    is_prefill_leg,
+    null_as_ours,
+)
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import (
+    MISMATCH,
+    VERIFIED,
+    GroupLoad,
+    KVTailWorkerMeta,
+    LoadRecord,
+    combined_verdict,
+)
+from kvtail_connector.stats import KVTailStats
+
+logger = get_logger(__name__)
+
+
+class VerificationScheduler:
+    """Producer: prompts from arrival to their digest. Consumer: verdicts.
+
+    Args:
+        records: the record builder (groups).
+        stats: the counters this side reports.
+        digest_prompts: this engine digests its remote-decode prompts.
+    """
+
+    def __init__(self, records: LoadRecords, stats: KVTailStats, *, digest_prompts: bool) -> None:
+        self._records = records
+        self._stats = stats
+        self._digest = digest_prompts
+        self._producing: dict[str, Any] = {}
+        self._digesting: dict[str, int] = {}  # prompt length of those shipped
+        self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
+        # Consumer: the ranks' verdicts on loads that came with a digest,
+        # until vLLM reports the load finished.
+        self._verdicts: dict[str, str] = {}
+
+    # -------------------------------------------------------------- producer
+
+    def on_new_request(self, request: Any) -> None:
+        if self._digest and is_prefill_leg(request):
+            self._producing[request.request_id] = request
+
+    def digest_records(self, scheduler_output: Any, manager: Any) -> tuple[LoadRecord, ...]:
+        """Every block of ``[0, n)``, in each group with token tails, of the
+        prompts this step completes."""
+        if not self._producing:
+            return ()
+        records = []
+        for req_id, _, n, block_ids in completing_prompts(
+            scheduler_output, self._producing, manager
+        ):
+            records.append(self._record(req_id, n, block_ids))
+            self._digesting[req_id] = n
+        return tuple(records)
+
+    def _record(self, req_id: str, n: int, block_ids: Any) -> LoadRecord:
+        groups = []
+        for info in self._records.groups:
+            if not info.has_tails:
+                continue
+            ids = null_as_ours(tuple(block_ids[info.group_id][: -(-n // info.effective_block)]))
+            groups.append(GroupLoad(info.group_id, 0, ids))
+        return LoadRecord(req_id, 0, n, tuple(groups))
+
+    def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
+        req_id = request.request_id
+        self._producing.pop(req_id, None)
+        digested = self._digesting.pop(req_id, None)
+        if digested is not None and isinstance(params, dict):
+            self._provisional[req_id] = (params, digested)
+
+    def granted(
+        self, worker_meta: KVTailWorkerMeta | None, workers: int
+    ) -> dict[str, tuple[dict[str, Any], int, entry.Digest]]:
+        """The requests finished in this call that every worker digested,
+        with the summed digest; the others leave without one (their consumer
+        verifies nothing)."""
+        provisional, self._provisional = self._provisional, {}
+        parts: dict[str, Any] = {}
+        if worker_meta is not None and len(worker_meta.ranks) == workers:
+            parts = worker_meta.digests
+        out = {}
+        for req_id, (params, num_tokens) in provisional.items():
+            part = parts.get(req_id)
+            digest = part.digest() if part is not None and part.ranks == workers else None
+            if digest is None:
+                logger.debug("kvtail: %s: not digested by every worker: no digest", req_id)
+                continue
+            out[req_id] = (params, num_tokens, digest)
+        return out
+
+    @property
+    def has_provisional(self) -> bool:
+        return bool(self._provisional)
+
+    def drop_provisional(self) -> None:
+        self._provisional.clear()
+
+    # -------------------------------------------------------------- consumer
+
+    def unrecorded(self) -> None:
+        """A load with a digest wrote no group a digest covers."""
+        self._stats.add("digests_skipped", 1)
+
+    def count_verdicts(
+        self, connector_output: Any, worker_meta: KVTailWorkerMeta | None, in_flight: Any
+    ) -> None:
+        """Fold this step's verdicts of the ranks; count each load once vLLM
+        reports it finished (every rank then reported its verdict)."""
+        if worker_meta is not None:
+            for req_id, found in worker_meta.verdicts.items():
+                if req_id in in_flight:
+                    have = self._verdicts.get(req_id)
+                    self._verdicts[req_id] = (
+                        found if have is None else combined_verdict(have, found)
+                    )
+        for req_id in connector_output.finished_recving or ():
+            verdict = self._verdicts.pop(req_id, None)
+            if verdict is None:
+                continue
+            if verdict == MISMATCH:
+                self._stats.add("digest_mismatches", 1)
+            elif verdict == VERIFIED:
+                self._stats.add("digests_verified", 1)
+            else:
+                self._stats.add("digests_skipped", 1)
+
+    def load_finished(self, req_id: str) -> None:
+        self._verdicts.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self._producing.pop(req_id, None)
+        self._digesting.pop(req_id, None)
+        self._provisional.pop(req_id, None)
+
+    def held(self) -> set[str]:
+        return set(self._producing) | set(self._digesting)
+
+    @property
+    def num_tracked(self) -> int:
+        return (
+            len(self._producing)
+            + len(self._digesting)
+            + len(self._provisional)
+            + len(self._verdicts)
+        )

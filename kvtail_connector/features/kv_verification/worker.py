@@ -1,0 +1,125 @@
+"""KV verification (``verify_kv: digest``), worker half.
+
+A producer digests the prompts whose tails the step completes, in the
+producer hook after their zeroing (which writes only slots past them),
+without waiting; the parts travel in the worker metadata. A consumer digests
+each completed load that came with the producer's digest before anything
+reads it, holds its completion out of ``finished_recving`` until the sums are
+on the host and compared, and reports a mismatch in ``failed_recving``
+(:mod:`~kvtail_connector.features.kv_verification.rank_digests`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement, RankDigests
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import DigestPart, LoadRecord
+
+logger = get_logger(__name__)
+
+
+class VerificationWorker:
+    """This rank's digests: a producer's prompts, a consumer's held loads.
+
+    Args:
+        heads: this rank's TP placement of the KV heads.
+        verify_loads: this rank checks loads (a consumer).
+    """
+
+    def __init__(self, heads: HeadPlacement, *, verify_loads: bool) -> None:
+        self._heads = heads
+        self._verify_loads = verify_loads
+        self._digests: RankDigests | None = None
+        self._released: RankDigests | None = None
+        self._records: list[LoadRecord] = []  # a producer's prompts bound this step
+        self._parts: dict[str, DigestPart] = {}  # and their sums, for the worker metadata
+
+    def register(self, sets: list[CacheSet]) -> None:
+        self._released = None
+        self._digests = RankDigests(sets, self._heads)
+
+    def release(self) -> None:
+        self._released, self._digests = self._digests, None
+
+    def restore(self) -> None:
+        self._digests, self._released = self._released, None
+
+    def forget_released(self) -> None:
+        """New caches supersede what sleep mode put away (never restored)."""
+        self._released = None
+
+    # -------------------------------------------------------------- producer
+
+    def bind(self, producer_digests: Iterable[LoadRecord]) -> None:
+        self._records.extend(producer_digests)
+
+    def digest_prompts(self) -> None:
+        """In the producer hook, after the tails' zeroing."""
+        records, self._records = self._records, []
+        if records and self._digests is not None:
+            self._parts.update(self._digests.digest_prompts(records))
+
+    def take_parts(self) -> dict[str, DigestPart]:
+        """The sums since the last call (for the worker metadata); prompts
+        bound but never digested (the hook did not run) are dropped."""
+        if self._records:
+            logger.debug("kvtail: %d producer prompt(s) not digested", len(self._records))
+            self._records = []
+        parts, self._parts = self._parts, {}
+        return parts
+
+    def drop(self) -> None:
+        """A contained failure: nothing of this step is sent."""
+        self._records = []
+        self._parts = {}
+
+    # -------------------------------------------------------------- consumer
+
+    def check(self, records: list[LoadRecord]) -> None:
+        """Digest these completed loads (each with ``expected``), before the
+        zeroing launch (disjoint slots) and before the scheduler can hand the
+        blocks to a forward."""
+        if records and self._digests is not None:
+            self._digests.check_loads(records)
+
+    def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
+        """Completions whose digest is on its way are held; those compared now
+        are released, a mismatch as a failed load."""
+        digests = self._digests
+        if not self._verify_loads or digests is None:
+            return results
+        held = {r for r in results.finished_recving if r in digests}
+        released, mismatched = digests.release()
+        if not held and not released:
+            return results
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=(set(results.finished_recving) - held) | released,
+            failed_recving=(set(results.failed_recving) - held) | mismatched,
+        )
+
+    def reported(self) -> None:
+        """What :meth:`hold` returned has reached vLLM."""
+        if self._verify_loads and self._digests is not None:
+            self._digests.reported()
+
+    def drop_held(self) -> set[str]:
+        """Every load held or released unreported, uncompared (after a
+        contained failure: the caller reports them failed)."""
+        return self._digests.drop_held() if self._digests is not None else set()
+
+    def take_verdicts(self) -> dict[str, str]:
+        return self._digests.take_verdicts() if self._digests is not None else {}
+
+    def held(self) -> set[str]:
+        return self._digests.held if self._digests is not None else set()
+
+    @property
+    def num_tracked(self) -> int:
+        digests = self._digests.num_tracked if self._digests is not None else 0
+        return len(self._records) + len(self._parts) + digests

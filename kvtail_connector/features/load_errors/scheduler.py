@@ -1,0 +1,83 @@
+"""Load errors, scheduler half: every async load in flight, and each failed
+load counted once.
+
+A load fails when a worker reports it in ``failed_recving`` or when it holds
+a block of ``invalid_block_ids`` (both aggregated over the workers by vLLM);
+errors may precede the completion, so a load's failure is remembered until
+vLLM reports it finished. A load whose record a contained internal error
+lost is shipped to the workers as ``failing``: they report it failed when it
+completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvtail_connector.stats import KVTailStats
+
+
+class LoadErrorsScheduler:
+    """Loads in flight (the blocks each writes), failures counted, records lost."""
+
+    def __init__(self, stats: KVTailStats) -> None:
+        self._stats = stats
+        self._in_flight: dict[str, frozenset[int]] = {}
+        self._failed: set[str] = set()
+        self._failing: list[str] = []
+
+    def started(self, req_id: str, blocks: Iterable[int]) -> None:
+        """An async load of ``req_id`` writing ``blocks`` is in flight."""
+        self._in_flight[req_id] = frozenset(blocks)
+
+    def lost(self, req_id: str) -> None:
+        """The async load of ``req_id`` has no record: the workers report it
+        failed when it completes (counted in ``failed_loads``: in flight)."""
+        self._in_flight.setdefault(req_id, frozenset())
+        self._failing.append(req_id)
+
+    @property
+    def failing(self) -> list[str]:
+        """Loads lost since the last metadata."""
+        return self._failing
+
+    def take_failing(self) -> tuple[str, ...]:
+        failing = tuple(self._failing)
+        self._failing.clear()
+        return failing
+
+    @property
+    def in_flight(self) -> Any:
+        """The ids of the loads in flight (a set-like view)."""
+        return self._in_flight.keys()
+
+    def settle(self, connector_output: Any) -> list[str]:
+        """Count this step's new failures; forget the loads reported finished
+        and return their ids."""
+        failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            failed.update(
+                r for r, blocks in self._in_flight.items() if not blocks.isdisjoint(invalid)
+            )
+        new = failed - self._failed
+        if new:
+            self._stats.add("failed_loads", len(new))
+            self._failed |= new
+        return self.finished(connector_output.finished_recving or ())
+
+    def finished(self, req_ids: Iterable[str]) -> list[str]:
+        """Forget these loads; the ids of those that were in flight."""
+        done = []
+        for req_id in req_ids:
+            if self._in_flight.pop(req_id, None) is not None:
+                self._failed.discard(req_id)
+                done.append(req_id)
+        return done
+
+    def held(self) -> set[str]:
+        return set(self._in_flight)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._in_flight) + len(self._failed) + len(self._failing)

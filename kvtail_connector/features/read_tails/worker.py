@@ -1,0 +1,227 @@
+"""MoRIIO READ tails, worker half: zeroed once the READ has landed.
+
+A READ copies whole producer blocks, the producer's stale tail included, into
+blocks the scheduler half kept out of vLLM's zero list. On vLLM 0.33 (and 0.32
+under FULL CUDA graphs) every READ has landed when the inner ``start_load_kv``
+returns: one launch zeroes the step's READ tails there, before the forward.
+Otherwise each layer's tail is zeroed as that layer's READs land
+(:mod:`~kvtail_connector.features.read_tails.by_layer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.features.producer_claims.worker import ClaimsWorker
+from kvtail_connector.features.read_tails.by_layer import LayerWork, ReadTailsByLayer
+from kvtail_connector.features.zeroing import RankZeroing
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import LoadRecord
+from kvtail_connector.ops import reference_zero_kv_blocks
+from kvtail_connector.probe import probe_items
+
+logger = get_logger(__name__)
+
+
+class ReadTailsWorker:
+    """This step's READ loads, and the per-layer work they armed.
+
+    Args:
+        rank: this rank's caches and zeroer.
+        by_layer: READs may land layer by layer (``read_tails_by_layer``).
+        trust_load_claims: claims skip zeroing wherever they match
+            (``vouch_tails: trust``); else only on the per-layer path.
+        claims: the claims part (counts what vouched READs skip), if on.
+    """
+
+    def __init__(
+        self,
+        rank: RankZeroing,
+        *,
+        by_layer: bool,
+        trust_load_claims: bool,
+        claims: ClaimsWorker | None,
+    ) -> None:
+        self._rank = rank
+        self._wants_by_layer = by_layer
+        self._trust_all = trust_load_claims
+        self._claims = claims
+        self._read_loads: list[LoadRecord] = []
+        self._by_layer: ReadTailsByLayer | None = None
+        self._released: ReadTailsByLayer | None = None
+        self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
+
+    def register(self, sets: list[CacheSet]) -> None:
+        self._released = None
+        if self._wants_by_layer:
+            self._by_layer = ReadTailsByLayer(sets)
+            self._by_layer.zeroer.warmup()
+
+    def release(self) -> None:
+        self._released, self._by_layer = self._by_layer, None
+
+    def restore(self) -> None:
+        self._by_layer, self._released = self._released, None
+
+    def forget_released(self) -> None:
+        """New caches supersede what sleep mode put away (never restored)."""
+        self._released = None
+
+    def bind(self, read_loads: Iterable[LoadRecord]) -> None:
+        self._read_loads.extend(read_loads)
+
+    @property
+    def read_loads(self) -> list[LoadRecord]:
+        """The READ loads bound this step (``started`` replaces the list)."""
+        return self._read_loads
+
+    def started(self, landed: bool) -> None:
+        """The inner ``start_load_kv`` returned. If every READ has landed
+        (``landed``), zero this step's READ tails now, before the forward;
+        otherwise each layer's, once that layer's READs have landed."""
+        if not self._read_loads:
+            return
+        records, self._read_loads = self._read_loads, []
+        rank = self._rank
+        # Under "auto" a claim skips only the per-layer launches (0.32, the
+        # READs not all landed): where one launch zeroes every READ tail now,
+        # skipping saves a share of it, and the tail is zeroed (claim unused).
+        per_layer = not landed and self._by_layer is not None
+        claims = self._claims
+        if claims is not None:
+            trusted = [r for r in records if r.vouched and (per_layer or self._trust_all)]
+            claims.count_unused([r for r in records if r.vouched and r not in trusted])
+            if trusted:
+                # READs copy the producer's blocks, zeroed at the source: no
+                # per-layer launch and no work lines, only the bytes left alone
+                # (the probe's canary covers async loads only).
+                tail_bytes = rank.tail_bytes if rank.zeroer is not None else None
+                nbytes = (
+                    sum(tail_bytes(s, first) for r in trusted for s, _, first in rank.tail_items(r))
+                    if tail_bytes is not None
+                    else 0
+                )
+                claims.count_vouched(nbytes, trusted)
+                records = [r for r in records if r not in trusted]
+                if not records:
+                    return
+        by_layer = self._by_layer
+        if rank.released:
+            logger.warning(
+                "KVTailConnector: %d READ load(s) while the KV cache is released: not zeroed",
+                len(records),
+            )
+            return
+        if landed or by_layer is None:
+            rank.zero([rank.zeroing(r.req_id, rank.tail_items(r)) for r in records])
+            rank.count_tails(sum(rank.has_tail(r) for r in records))
+            return
+        for r in records:
+            by_layer.arm(r.req_id, rank.tail_items(r))
+        by_layer.stage()
+        rank.count_tails(sum(rank.has_tail(r) for r in records))
+
+    def layer_loaded(self, layer_name: str) -> None:
+        """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
+        landed and its attention has not run; zero its READ tails."""
+        by_layer = self._by_layer
+        if by_layer is None or not by_layer.pending:
+            return
+        work = by_layer.take(layer_name)
+        if work is not None:
+            self._zero_layer(by_layer, work)
+
+    def end_step(self) -> None:
+        """After the forward: layers whose ``wait_for_layer_load`` never ran
+        (no KV-transfer hook, e.g. the indexer cache) are zeroed now. This is
+        after their first read, but never wipes valid KV: the zeroing starts
+        at the producer's prompt length, past which this step wrote only the
+        rows vLLM pads a new decode with (draft id -1, always rejected)."""
+        by_layer = self._by_layer
+        if by_layer is None:
+            return
+        left = by_layer.take_all()
+        if left:
+            logger.debug("kvtail: READ tails of %d layer(s) zeroed after the forward", len(left))
+        for work in left:
+            self._zero_layer(by_layer, work)
+        by_layer.record_done()
+        self._rank.last_zeroing = by_layer.last_launch_done
+
+    def _zero_layer(self, by_layer: ReadTailsByLayer, work: LayerWork) -> None:
+        rank = self._rank
+        if rank.probe:
+            found = probe_items(
+                by_layer.layer_sets,
+                np.array(work.items, dtype=np.int64),
+                work.armed.owners,
+            )
+            for req_id, (nonzero, nonfinite) in found.items():
+                counts = self._layer_probe.setdefault(req_id, [0, 0])
+                counts[0] += nonzero
+                counts[1] += nonfinite
+        by_layer.zero(work)
+        rank.stats.add("tail_bytes_zeroed", by_layer.nbytes(work))  # launched
+        rank.last_zeroing = by_layer.last_launch_done
+        if self._layer_probe and not by_layer.pending:
+            # Every layer is done: one report per request, as for other tails.
+            summed, self._layer_probe = self._layer_probe, {}
+            rank.report_found({req: (c[0], c[1]) for req, c in summed.items()})
+
+    # ------------------------------------------------- contained failures
+
+    def contain_started(self, records: list[LoadRecord], landed: bool) -> None:
+        """``started`` failed. Where every READ has landed (``landed``), zero
+        the records' tails now, before the forward, on the reference path
+        (slow, exact, independent of the zeroer's kernels and work lines);
+        otherwise a READ may still land over a zeroing, so nothing is zeroed
+        (the ERROR says so). Forget this step's READ work either way, armed
+        or staged per layer too: left there, a later step would zero these
+        tails over KV written since."""
+        self._read_loads = []
+        if self._by_layer is not None:
+            self._by_layer.reset()
+        rank = self._rank
+        if not landed or rank.released:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
+                ", ".join(r.req_id for r in records),
+            )
+            return
+        for record in records:
+            for index, block, first in rank.tail_items(record):
+                cache_set = rank.sets[index]
+                reference_zero_kv_blocks(
+                    cache_set.caches,
+                    tails=[(block, first)],
+                    pages_per_block=cache_set.pages_per_block,
+                )
+
+    def contain_end_step(self) -> None:
+        """``end_step`` failed: drop the per-layer READ work left (never zeroed
+        in a later step, over KV written since); the ERROR names its requests."""
+        by_layer = self._by_layer
+        self._layer_probe = {}
+        if by_layer is None:
+            return
+        left = by_layer.owners_pending()
+        by_layer.reset()
+        if left:
+            logger.error(
+                "KVTailConnector: READ tails of %s not zeroed (after the forward)",
+                ", ".join(sorted(left)),
+            )
+
+    def held(self) -> set[str]:
+        held = {r.req_id for r in self._read_loads}
+        if self._by_layer is not None:
+            held |= self._by_layer.owners_pending()
+        return held
+
+    @property
+    def num_tracked(self) -> int:
+        waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
+        return len(self._read_loads) + waiting_layers

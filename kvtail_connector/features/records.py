@@ -1,0 +1,114 @@
+"""Where a request's loaded or prompt tokens sit in its blocks, as
+:class:`~kvtail_connector.metadata.LoadRecord` (scheduler side, shared by the
+parts that ship records to the workers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kvtail_connector import _compat
+from kvtail_connector.containment import mark_inner
+from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
+from kvtail_connector.tails import tail_block
+
+
+def is_prefill_leg(request: Any) -> bool:
+    """A remote-decode request whose prefill the producer runs as a
+    single-token request (``max_tokens == 1``, what P/D routers send): it
+    finishes in the step its prompt completes, so no later forward of it
+    (async scheduling's next step included) writes past the prompt."""
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_decode")) and (
+        getattr(request, "max_tokens", 0) == 1
+    )
+
+
+def completing_prompts(
+    scheduler_output: Any, producing: dict[str, Any], manager: Any
+) -> Iterator[tuple[str, Any, int, Any]]:
+    """``(req_id, request, prompt length, block ids per group)`` of each
+    request in ``producing`` whose prompt this step completes."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    for req_id in scheduled.keys() & producing.keys():
+        request = producing[req_id]
+        step = scheduled[req_id]
+        done = int(request.num_computed_tokens)  # not yet advanced for this step
+        n = int(request.num_prompt_tokens)
+        if step <= 0 or not done < n <= done + step or manager is None:
+            continue
+        yield req_id, request, n, manager.get_block_ids(req_id)
+
+
+def null_as_ours(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Block ids with vLLM's null block (sliding-window gaps) as :data:`NULL_BLOCK`."""
+    if _compat.NULL_BLOCK_ID in ids:
+        return tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
+    return ids
+
+
+class LoadRecords:
+    """Builds the records of loads.
+
+    Args:
+        inner: the wrapped connector (it says which groups a load writes).
+        groups: tail facts per KV cache group.
+        record_every_load: block-aligned async loads get a record too.
+    """
+
+    def __init__(self, inner: Any, groups: tuple[GroupInfo, ...], *, record_every_load: bool):
+        self._inner = inner
+        self.groups = groups
+        self._every = record_every_load
+
+    def tail_index(self, num_loaded: int, group: int) -> int | None:
+        tail = tail_block(num_loaded, self.groups[group].effective_block)
+        return None if tail is None else tail[0]
+
+    def loaded_groups(self, request: Any) -> Any:
+        """The inner connector's answer; its exceptions tagged as its own."""
+        try:
+            return self._inner.get_loaded_kv_cache_group_ids(request)
+        except BaseException as exc:
+            mark_inner(exc)
+            raise
+
+    def written_blocks(self, request: Any, blocks: Any, local: int, loaded: int) -> list[int]:
+        """The non-null blocks a load of tokens ``[local, loaded)`` writes, all groups."""
+        block_ids = blocks.get_block_ids()
+        out: list[int] = []
+        for gid in self.loaded_groups(request):
+            eb = self.groups[gid].effective_block
+            out.extend(b for b in block_ids[gid][local // eb : -(-loaded // eb)])
+        return [b for b in out if b != _compat.NULL_BLOCK_ID]
+
+    def record(
+        self,
+        request: Any,
+        blocks: Any,
+        local: int,
+        loaded: int,
+        *,
+        tails_only: bool = False,
+        keep: bool = False,
+    ) -> LoadRecord | None:
+        """The load's record, or None when block-aligned (nothing to zero or
+        watch) unless ``keep`` (a load to verify)."""
+        block_ids = blocks.get_block_ids()
+        loaded_groups = self.loaded_groups(request)
+        entries = []
+        any_tail = False
+        for gid in loaded_groups:
+            info = self.groups[gid]
+            if not info.has_tails:
+                continue
+            eb = info.effective_block
+            any_tail = any_tail or tail_block(loaded, eb) is not None
+            first = local // eb
+            last = -(-loaded // eb)  # one past the last block the load writes
+            ids = null_as_ours(tuple(block_ids[gid][first:last]))
+            entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
+        if not entries or not (any_tail or keep or (self._every and not tails_only)):
+            return None  # block-aligned: nothing stale to zero, nothing to watch
+        return LoadRecord(request.request_id, local, loaded, tuple(entries))

@@ -1,0 +1,240 @@
+"""What the worker-side parts share: this rank's caches and its step zeroer.
+
+Every part that zeroes (consumer tails, failed loads, producer claims, READ
+tails) builds its work through :class:`RankZeroing` and launches through it,
+so a step's zeroing of every part is one launch, one byte count and one CUDA
+event (``start_load_kv``'s fence waits for it). It holds no per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtail_connector.cache_sets import CacheSet, TailBytes
+from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
+from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.plan import Line
+from kvtail_connector.probe import probe_items
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.tails import first_stale_slot, tail_block
+
+logger = get_logger(__name__)
+
+Item = tuple[int, int, int]  # (cache set index, manager block, first slot to zero)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where this worker sits in decode context parallelism."""
+
+    dcp_rank: int = 0
+    dcp_world_size: int = 1
+    interleave: int = 1
+
+
+@dataclass(frozen=True)
+class Zeroing:
+    """Kernel work lines for one request, and the bytes they zero."""
+
+    owner: str
+    lines: list[Line]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _SetInfo:
+    index: int  # zeroer group
+    tokens_per_state: int | Fraction
+
+
+class RankZeroing:
+    """This rank's cache sets, its zeroer and the event behind its last launch.
+
+    Args:
+        groups: tail facts per KV cache group.
+        placement: this rank's DCP placement.
+        stats: the counters this side reports.
+        probe: count stale bytes before zeroing (``probe_stale_tails``).
+        counts_requests: this rank reports the per-request counters (one
+            rank per request: vLLM sums every worker's stats).
+    """
+
+    def __init__(
+        self,
+        groups: tuple[GroupInfo, ...],
+        placement: RankPlacement,
+        stats: KVTailStats,
+        *,
+        probe: bool,
+        counts_requests: bool,
+    ) -> None:
+        self.groups = groups
+        self.placement = placement
+        self.stats = stats
+        self.probe = probe
+        self.counts_requests = counts_requests
+        self.zeroer: StepZeroer | None = None
+        self.sets: list[CacheSet] = []
+        self.tail_bytes = TailBytes((), ())
+        self._sets_of_group: dict[int, list[_SetInfo]] = {}
+        # Recorded behind the latest launch of any part: start_load_kv's fence.
+        self.last_zeroing: torch.cuda.Event | None = None
+        # Sleep mode: the zeroer unregister_kv_caches put away (see release()).
+        self._released: tuple[StepZeroer | None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def register(self, sets: list[CacheSet]) -> None:
+        """Map ``sets`` (non-empty) and warm the zeroer up; supersedes any
+        zeroer put away by sleep mode."""
+        self._released = None
+        self.sets = sets
+        self.zeroer = StepZeroer([(s.caches, s.pages_per_block) for s in sets])
+        self._sets_of_group = {}
+        for i, s in enumerate(sets):
+            self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
+        self.tail_bytes = TailBytes.of(sets)
+        self.zeroer.warmup()
+
+    @property
+    def released(self) -> bool:
+        """Sleep mode released the KV memory: nothing can be zeroed or read."""
+        return self._released is not None
+
+    def release(self) -> None:
+        self._released = (self.zeroer,)
+        self.zeroer = None
+
+    def restore(self) -> None:
+        if self._released is not None:
+            (self.zeroer,) = self._released
+            self._released = None
+
+    def forget_released(self) -> None:
+        """New caches supersede what sleep mode put away (never restored)."""
+        self._released = None
+
+    def fence(self) -> None:
+        """Before the inner connector starts a load, earlier zeroing has executed.
+
+        A transfer that bypasses the stream (RDMA) into a block freed and
+        reallocated since could otherwise land before a zeroing of that block
+        enqueued in an earlier step.
+        """
+        event = self.last_zeroing
+        if event is not None and not event.query():
+            event.synchronize()
+
+    # ------------------------------------------------------------------ work
+
+    def zeroing(self, owner: str, items: list[Item]) -> Zeroing:
+        """Work lines for ``items``, built in Python: a handful of items per
+        request, where numpy costs more."""
+        zeroer = self.zeroer
+        if zeroer is None or not items:
+            return Zeroing(owner, [], 0)
+        lines = [ln for ln in (zeroer.line(*item) for item in items) if ln is not None]
+        tail_bytes = self.tail_bytes
+        nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
+        return Zeroing(owner, lines, nbytes)
+
+    def tail_items(self, record: LoadRecord) -> list[Item]:
+        """The never-written slots of ``record``'s last block, per cache set."""
+        items = []
+        placement = self.placement
+        for load in record.groups:
+            info = self.groups[load.group]
+            tail = tail_block(record.num_loaded, info.effective_block)
+            if tail is None:
+                continue
+            k, n = tail
+            idx = k - load.first_block
+            if not 0 <= idx < len(load.block_ids):
+                continue
+            block = load.block_ids[idx]
+            if block == NULL_BLOCK:
+                continue
+            sharded = info.dcp_size > 1
+            for s in self._sets_of_group.get(load.group, ()):
+                first = first_stale_slot(
+                    n,
+                    dcp_rank=placement.dcp_rank if sharded else 0,
+                    dcp_world_size=info.dcp_size,
+                    interleave=placement.interleave if sharded else 1,
+                    tokens_per_state=s.tokens_per_state,
+                )
+                items.append((s.index, block, first))
+        return items
+
+    def block_items(self, group: int, blocks: Any) -> list[Item]:
+        """Whole ``blocks`` of ``group`` (non-null ones), in every set of the group."""
+        sets = self._sets_of_group.get(group, ())
+        return [(s.index, b, 0) for b in blocks if b != NULL_BLOCK for s in sets]
+
+    def has_tail(self, record: LoadRecord) -> bool:
+        """Whether ``record`` leaves a stale tail in some group: the same answer
+        on every rank (a DCP rank whose share of the block is full has none of
+        its own to zero, yet the request still counts once)."""
+        for load in record.groups:
+            info = self.groups[load.group]
+            tail = tail_block(record.num_loaded, info.effective_block)
+            if info.has_tails and tail is not None:
+                idx = tail[0] - load.first_block
+                if 0 <= idx < len(load.block_ids) and load.block_ids[idx] != NULL_BLOCK:
+                    return True
+        return False
+
+    def zero(
+        self, batches: list[Zeroing], counter: str = "tail_bytes_zeroed", *, probe: bool = True
+    ) -> None:
+        """One launch for every line of ``batches`` (probed first where the
+        probe is on and ``probe``); bytes counted once launched."""
+        zeroer = self.zeroer
+        if zeroer is None:
+            return
+        lines = [ln for b in batches for ln in b.lines]
+        if not lines:
+            return
+        if probe and self.probe:
+            self.report_found(
+                probe_items(
+                    self.sets,
+                    np.array([ln.item for b in batches for ln in b.lines], dtype=np.int64),
+                    [b.owner for b in batches for _ in b.lines],
+                )
+            )
+        zeroer.zero_lines(lines)
+        self.stats.add(counter, sum(b.nbytes for b in batches))  # launched
+        # Recorded behind the launch by the zeroer: start_load_kv's fence.
+        self.last_zeroing = zeroer.last_launch_done
+        logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
+
+    # ------------------------------------------------------------- counting
+
+    def count_tails(self, requests: int) -> None:
+        """Per-request counters, on the counting rank only."""
+        if requests and self.counts_requests:
+            self.stats.add("tails_zeroed", requests)
+            if self.probe:
+                self.stats.add("probed_tails", requests)
+
+    def report_found(self, found: dict[str, tuple[int, int]]) -> None:
+        """The probe's findings, per request: ``(non-zero bytes, non-finite values)``."""
+        for req_id, (nonzero, nonfinite) in found.items():
+            self.stats.add("stale_nonzero_bytes", nonzero)
+            self.stats.add("stale_nonfinite_values", nonfinite)
+            if nonfinite:
+                logger.warning(
+                    "KVTailConnector: request %s: the loaded KV's stale tail held %d non-finite "
+                    "value(s) (%d non-zero bytes); zeroing them before any read",
+                    req_id,
+                    nonfinite,
+                    nonzero,
+                )
