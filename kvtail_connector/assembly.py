@@ -124,7 +124,7 @@ def assemble(
         cfg.backend,
         cfg.zero_tails,
         facts.needs_zeroing,
-        "zeroing tails" if policy.zero_tails else "not zeroing tails",
+        "zeroing tails" if policy.zeroes_tails else "not zeroing tails",
         cfg.probe_stale_tails,
         cfg.vouch_tails,
         _vouch_summary(policy),
@@ -245,7 +245,7 @@ def _one_side(
         rank=_compat.worker_rank(),
         stats=stats,
         heads=HeadPlacement(*_compat.kv_head_placement(vllm_config))
-        if policy.digest_prompts or policy.verify_loads
+        if policy.digests_prompts or policy.verifies_loads
         else None,
     )
     return None, worker
@@ -253,21 +253,21 @@ def _one_side(
 
 def _vouch_summary(policy: TailPolicy) -> str:
     parts = []
-    if policy.vouch_tails:
+    if policy.vouches_for_tails:
         parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
-    if policy.trust_load_claims:
+    if policy.trusts_load_claims:
         parts.append("trusting bound producer claims")
-    elif policy.trust_read_claims:
+    elif policy.trusts_read_claims:
         parts.append("trusting bound producer claims on per-layer READ tails only")
-    elif policy.check_claims:
+    elif policy.checks_claims:
         parts.append("checking producer claims, zeroing every tail")
     return ", ".join(parts) or "no claims made or trusted"
 
 
 def _verify_summary(policy: TailPolicy) -> str:
     parts = []
-    if policy.digest_prompts:
+    if policy.digests_prompts:
         parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
-    if policy.verify_loads:
+    if policy.verifies_loads:
         parts.append("verifying loads against the producer's digest")
     return ", ".join(parts) or "nothing digested"

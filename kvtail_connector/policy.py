@@ -24,85 +24,85 @@ class TailPolicy:
     """The wrapper's duties on this engine.
 
     Attributes:
-        zero_tails: zero the stale tail of every completed async load.
-        zero_failed_loads: zero a failed load's destination blocks from its
+        zeroes_tails: zero the stale tail of every completed async load.
+        zeroes_failed_loads: zero a failed load's destination blocks from its
             first invalid block on (only where vLLM does not re-zero them).
-        record_every_load: the scheduler ships every async load to the
-            workers, block-aligned ones too (needed by ``zero_failed_loads``).
-        zero_read_tails: zero the producer tail a MoRIIO READ copies in.
-        exclude_reads: drop MoRIIO READ destinations from vLLM's
+        records_every_load: the scheduler ships every async load to the
+            workers, block-aligned ones too (needed by ``zeroes_failed_loads``).
+        zeroes_read_tails: zero the producer tail a MoRIIO READ copies in.
+        excludes_reads: drop MoRIIO READ destinations from vLLM's
             ``new_block_ids_to_zero`` (the READ would race the zeroing).
-        read_tails_by_layer: READs may land layer by layer (vLLM 0.32, outside
+        zeroes_reads_by_layer: READs may land layer by layer (vLLM 0.32, outside
             FULL CUDA graphs): be ready to zero each layer's READ tail.
-        hold_completions: keep completions whose zeroing has not executed out
+        holds_completions: keep completions whose zeroing has not executed out
             of ``finished_recving`` (transfers that bypass the worker's fence).
-        probe: count stale bytes before zeroing (``probe_stale_tails``).
-        vouch_tails: as a producer, zero each remote-decode prompt's tail and
+        probes: count stale bytes before zeroing (``probe_stale_tails``).
+        vouches_for_tails: as a producer, zero each remote-decode prompt's tail and
             vouch for it in the request's ``kv_transfer_params``.
         producer_hook: the worker hook that zeroes those tails: the first one
             ordered after the step's last KV write and before the step's
             output leaves the worker (None when not vouching).
-        check_claims: as a consumer, read producers' claims (counted as
+        checks_claims: as a consumer, read producers' claims (counted as
             ``vouches_unused``, ``vouches_declined`` or, where skipped,
             ``vouched_tails``).
-        trust_load_claims: skip an async load's tail zeroing on a bound,
+        trusts_load_claims: skip an async load's tail zeroing on a bound,
             matching claim (``vouch_tails: trust`` only: the saving is a
             share of a launch D makes anyway).
-        trust_read_claims: mark a MoRIIO READ whose bound claim matches
+        trusts_read_claims: mark a MoRIIO READ whose bound claim matches
             (``trust``, or ``auto`` where READ tails may be zeroed per layer);
             the worker skips its zeroing under ``trust``, and under ``auto``
             only in a step whose READs are zeroed layer by layer (1.1-2.1 ms
             per step saved, benchmarks/RESULTS.md), not where one launch at
             start zeroes them all.
-        digest_prompts: as a producer, digest each remote-decode prompt's KV
+        digests_prompts: as a producer, digest each remote-decode prompt's KV
             in ``producer_hook`` and send the sums in its ``kvtail`` entry
             (``verify_kv: digest``).
-        verify_loads: as a consumer, digest what each async load wrote and
+        verifies_loads: as a consumer, digest what each async load wrote and
             compare it with the producer's sums (``verify_kv: digest``).
     """
 
-    zero_tails: bool
-    zero_failed_loads: bool
-    record_every_load: bool
-    zero_read_tails: bool
-    exclude_reads: bool
-    read_tails_by_layer: bool
-    hold_completions: bool
-    probe: bool
-    vouch_tails: bool = False
+    zeroes_tails: bool
+    zeroes_failed_loads: bool
+    records_every_load: bool
+    zeroes_read_tails: bool
+    excludes_reads: bool
+    zeroes_reads_by_layer: bool
+    holds_completions: bool
+    probes: bool
+    vouches_for_tails: bool = False
     producer_hook: ProducerHook | None = None
-    check_claims: bool = False
-    trust_load_claims: bool = False
-    trust_read_claims: bool = False
-    digest_prompts: bool = False
-    verify_loads: bool = False
+    checks_claims: bool = False
+    trusts_load_claims: bool = False
+    trusts_read_claims: bool = False
+    digests_prompts: bool = False
+    verifies_loads: bool = False
 
     @property
     def needs_caches(self) -> bool:
         """Whether workers zero or digest anything at all (and so map the KV caches)."""
         return (
-            self.zero_tails
-            or self.zero_failed_loads
-            or self.zero_read_tails
-            or self.vouch_tails
-            or self.digest_prompts
-            or self.verify_loads
+            self.zeroes_tails
+            or self.zeroes_failed_loads
+            or self.zeroes_read_tails
+            or self.vouches_for_tails
+            or self.digests_prompts
+            or self.verifies_loads
         )
 
     @property
-    def trust_vouched(self) -> bool:
+    def trusts_some_claim(self) -> bool:
         """Some claim can make this consumer skip a zeroing."""
-        return self.trust_load_claims or self.trust_read_claims
+        return self.trusts_load_claims or self.trusts_read_claims
 
     @property
     def reports_worker_meta(self) -> bool:
         """Workers wrap their metadata every step (claims, digests, verdicts,
         false vouches the probe found)."""
         return (
-            self.vouch_tails
-            or self.digest_prompts
-            or self.verify_loads
-            or (self.trust_vouched and self.probe)
+            self.vouches_for_tails
+            or self.digests_prompts
+            or self.verifies_loads
+            or (self.trusts_some_claim and self.probes)
         )
 
 
@@ -120,7 +120,7 @@ def _digest_duties(
     dcp_world_size: int,
     pipeline_parallel_size: int,
 ) -> tuple[bool, bool]:
-    """``(digest_prompts, verify_loads)`` for ``verify_kv``; where the digest
+    """``(digests_prompts, verifies_loads)`` for ``verify_kv``; where the digest
     cannot work it is refused here, at start-up, never discovered per request.
 
     Raises:
@@ -235,23 +235,23 @@ def resolve_policy(
     check = cfg.vouch_tails != "off" and is_consumer and carries_producer_tail
     by_layer = zero_reads and reads_may_land_per_layer
     return TailPolicy(
-        zero_tails=zero,
-        zero_failed_loads=zero_failed,
-        record_every_load=zero_failed,
-        zero_read_tails=zero_reads,
+        zeroes_tails=zero,
+        zeroes_failed_loads=zero_failed,
+        records_every_load=zero_failed,
+        zeroes_read_tails=zero_reads,
         # vLLM filters Mamba hybrids itself (their attention group only).
-        exclude_reads=sync_read and needs_zeroing and not has_mamba,
-        read_tails_by_layer=by_layer,
+        excludes_reads=sync_read and needs_zeroing and not has_mamba,
+        zeroes_reads_by_layer=by_layer,
         # Neither runner orders every completion after the zeroing launched
         # with it (V2's post_forward, V1's no-forward steps); only transfers
         # started past the fence can overtake it.
-        hold_completions=writes_past_the_fence,
-        probe=cfg.probe_stale_tails,
-        vouch_tails=vouch,
+        holds_completions=writes_past_the_fence,
+        probes=cfg.probe_stale_tails,
+        vouches_for_tails=vouch,
         producer_hook=producer_hook if vouch or digest else None,
-        check_claims=check,
-        trust_load_claims=check and cfg.vouch_tails == "trust",
-        trust_read_claims=check and (cfg.vouch_tails == "trust" or by_layer),
-        digest_prompts=digest,
-        verify_loads=verify,
+        checks_claims=check,
+        trusts_load_claims=check and cfg.vouch_tails == "trust",
+        trusts_read_claims=check and (cfg.vouch_tails == "trust" or by_layer),
+        digests_prompts=digest,
+        verifies_loads=verify,
     )

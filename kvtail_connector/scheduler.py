@@ -96,11 +96,11 @@ class TailScheduler:
         self._num_workers = num_workers
         self._kv_cache_manager: Any = None
         nodes = binding_nodes(limits, min_block_size)
-        self._records = LoadRecords(inner, groups, record_every_load=policy.record_every_load)
+        self._records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
         self._starts = LoadStarts()
         self._errors = LoadErrorsScheduler(stats)
         self._tails = ConsumerTailsScheduler()
-        producer = policy.vouch_tails or policy.digest_prompts
+        producer = policy.vouches_for_tails or policy.digests_prompts
         self._writer = (
             EntryWriter(geometry, binding_nodes=nodes, key=key, stats=stats) if producer else None
         )
@@ -113,17 +113,17 @@ class TailScheduler:
                 key=key,
                 stats=stats,
             )
-            if policy.check_claims or policy.verify_loads
+            if policy.checks_claims or policy.verifies_loads
             else None
         )
         self._claims = (
-            ClaimsScheduler(self._records, stats, vouch=policy.vouch_tails)
-            if policy.vouch_tails or policy.check_claims
+            ClaimsScheduler(self._records, stats, vouch=policy.vouches_for_tails)
+            if policy.vouches_for_tails or policy.checks_claims
             else None
         )
         self._verify = (
-            VerificationScheduler(self._records, stats, digest_prompts=policy.digest_prompts)
-            if policy.digest_prompts or policy.verify_loads
+            VerificationScheduler(self._records, stats, digests_prompts=policy.digests_prompts)
+            if policy.digests_prompts or policy.verifies_loads
             else None
         )
         self._reads = (
@@ -131,12 +131,12 @@ class TailScheduler:
                 self._records,
                 adapter,
                 stats,
-                zero_read_tails=policy.zero_read_tails,
-                exclude_reads=policy.exclude_reads,
-                trust_read_claims=policy.trust_read_claims,
+                zeroes_read_tails=policy.zeroes_read_tails,
+                excludes_reads=policy.excludes_reads,
+                trusts_read_claims=policy.trusts_read_claims,
                 claims=self._claims,
             )
-            if policy.zero_read_tails or policy.exclude_reads
+            if policy.zeroes_read_tails or policy.excludes_reads
             else None
         )
 
@@ -199,7 +199,7 @@ class TailScheduler:
         self._errors.started(
             request.request_id, records.written_blocks(request, blocks, local, loaded)
         )
-        if not policy.zero_tails and expected is None:
+        if not policy.zeroes_tails and expected is None:
             return
         record = records.record(request, blocks, local, loaded, keep=expected is not None)
         if record is None:
@@ -208,9 +208,9 @@ class TailScheduler:
             return
         claims = self._claims
         if (
-            policy.zero_tails
+            policy.zeroes_tails
             and claims is not None
-            and claims.used(request, claim, record, policy.trust_load_claims)
+            and claims.used(request, claim, record, policy.trusts_load_claims)
         ):
             record = dataclasses.replace(record, vouched=True)
         if expected is not None:
@@ -292,7 +292,7 @@ class TailScheduler:
             return
         if claims is not None and worker_meta is not None and worker_meta.false_vouches:
             claims.count_false_vouches(worker_meta.false_vouches, errors.in_flight)
-        if verify is not None and self._policy.verify_loads:
+        if verify is not None and self._policy.verifies_loads:
             verify.count_verdicts(connector_output, worker_meta, errors.in_flight)
         for req_id in errors.settle(connector_output):
             if claims is not None:

@@ -87,26 +87,26 @@ class TailWorker:
         self._policy = policy
         self._rank_id = rank
         self._rank = RankZeroing(
-            groups, placement, stats, probe=policy.probe, counts_requests=counts_requests
+            groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
         self._errors = LoadErrorsWorker(self._rank)
-        self._tails = ConsumerTailsWorker(self._rank, hold_completions=policy.hold_completions)
+        self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
         self._claims = (
-            ClaimsWorker(self._rank) if policy.vouch_tails or policy.check_claims else None
+            ClaimsWorker(self._rank) if policy.vouches_for_tails or policy.checks_claims else None
         )
         self._reads = (
             ReadTailsWorker(
                 self._rank,
-                by_layer=policy.read_tails_by_layer,
-                trust_load_claims=policy.trust_load_claims,
+                by_layer=policy.zeroes_reads_by_layer,
+                trusts_load_claims=policy.trusts_load_claims,
                 claims=self._claims,
             )
-            if policy.zero_read_tails
+            if policy.zeroes_read_tails
             else None
         )
         self._verify = (
-            VerificationWorker(heads or HeadPlacement(), verify_loads=policy.verify_loads)
-            if policy.digest_prompts or policy.verify_loads
+            VerificationWorker(heads or HeadPlacement(), verifies_loads=policy.verifies_loads)
+            if policy.digests_prompts or policy.verifies_loads
             else None
         )
 
@@ -261,7 +261,7 @@ class TailWorker:
     ) -> KVConnectorTransferResults:
         """The runner's ``get_transfer_results``: the inner connector's
         ``results``, after zeroing what completed, with completions held back
-        while their zeroing has not executed (``hold_completions``) and,
+        while their zeroing has not executed (``holds_completions``) and,
         with ``verify_kv``, while their digest is not on the host."""
         self._tails.finished(finished_req_ids)
         zeroed: set[str] = set()
@@ -318,12 +318,12 @@ class TailWorker:
                 continue
             if req_id in failed or invalid is not None:
                 # Failures are counted once per request by the scheduler side.
-                if policy.zero_failed_loads:
+                if policy.zeroes_failed_loads:
                     batches.append(rank.zeroing(req_id, errors.items(record, invalid)))
                 continue
             if record.expected is not None:
                 checks.append(record)
-            if policy.zero_tails:
+            if policy.zeroes_tails:
                 batch = pending.zeroing(rank)
                 if record.vouched and self._claims is not None:
                     vouched.append(batch)

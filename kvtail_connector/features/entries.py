@@ -154,15 +154,15 @@ class EntryReader:
             self._entries[req_id] = seen
             return
         policy = self._policy
-        claims = policy.check_claims and (
-            policy.zero_tails if load_async else policy.zero_read_tails
+        claims = policy.checks_claims and (
+            policy.zeroes_tails if load_async else policy.zeroes_read_tails
         )
-        digest = load_async and policy.verify_loads
+        digest = load_async and policy.verifies_loads
         if claims or digest:
             # The binding (and MAC) only where something depends on them: a
             # claim that can skip a zeroing, or a digest that can fail a load.
             usable = claims and (
-                policy.trust_load_claims if load_async else policy.trust_read_claims
+                policy.trusts_load_claims if load_async else policy.trusts_read_claims
             )
             found = self._read(request, claims=claims, bind=usable or digest, digest=digest)
             self._entries[req_id] = self._seen[req_id] = found

@@ -54,13 +54,13 @@ class LoadRecords:
     Args:
         inner: the wrapped connector (it says which groups a load writes).
         groups: tail facts per KV cache group.
-        record_every_load: block-aligned async loads get a record too.
+        records_every_load: block-aligned async loads get a record too.
     """
 
-    def __init__(self, inner: Any, groups: tuple[GroupInfo, ...], *, record_every_load: bool):
+    def __init__(self, inner: Any, groups: tuple[GroupInfo, ...], *, records_every_load: bool):
         self._inner = inner
         self.groups = groups
-        self._every = record_every_load
+        self._every = records_every_load
 
     def tail_index(self, num_loaded: int, group: int) -> int | None:
         tail = tail_block(num_loaded, self.groups[group].effective_block)

@@ -74,7 +74,7 @@ def tail_policy(**duties: bool) -> TailPolicy:
     """A worker's policy: tail and READ-tail zeroing on, everything else off,
     unless ``duties`` (TailPolicy fields) say otherwise."""
     fields = {name: False for name in TailPolicy.__dataclass_fields__}
-    fields.update(zero_tails=True, zero_read_tails=True)
+    fields.update(zeroes_tails=True, zeroes_read_tails=True)
     fields.update(duties)
     return TailPolicy(**fields)
 

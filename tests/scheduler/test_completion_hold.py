@@ -42,7 +42,7 @@ def _worker(monkeypatch, event: _Event, hold: bool, zero_failed: bool = False):
     monkeypatch.setattr(KVZeroer, "last_launch_done", property(lambda self: event))
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
-    worker = make_tail_worker(kv, hold_completions=hold, zero_failed_loads=zero_failed)
+    worker = make_tail_worker(kv, holds_completions=hold, zeroes_failed_loads=zero_failed)
     worker.register_kv_caches(caches.views, kv)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # a tail: zeroed

@@ -169,7 +169,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
     monkeypatch.setattr(KVZeroer, "last_launch_done", property(lambda self: event))
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
-    worker = make_tail_worker(kv, hold_completions=True)
+    worker = make_tail_worker(kv, holds_completions=True)
     worker.register_kv_caches(caches.views, kv)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),

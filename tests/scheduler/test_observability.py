@@ -86,7 +86,7 @@ def _worker_with_poisoned_tail(probe: bool):
     caches = allocate(kv)
     groups = group_infos(kv, 1)
     stats = KVTailStats()
-    worker = TailWorker(groups, RankPlacement(), tail_policy(probe=probe), stats=stats)
+    worker = TailWorker(groups, RankPlacement(), tail_policy(probes=probe), stats=stats)
     worker.register_kv_caches(caches.views, kv)
     for view in caches.views.values():
         view.zero_()

@@ -40,7 +40,7 @@ def setup():
     kv = make_kv_cache_config(block_size=16, num_blocks=8, dtype=torch.bfloat16, layer_names=LAYERS)
     caches = allocate(kv)
     stats = KVTailStats()
-    worker = make_tail_worker(kv, probe=True, read_tails_by_layer=True, stats=stats)
+    worker = make_tail_worker(kv, probes=True, zeroes_reads_by_layer=True, stats=stats)
     worker.register_kv_caches(caches.views, kv)
     worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     return SimpleNamespace(kv=kv, caches=caches, worker=worker, stats=stats)

@@ -177,7 +177,7 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
         worker = TailWorker(
             groups,
             RankPlacement(rank, 2, 16),
-            tail_policy(probe=True),
+            tail_policy(probes=True),
             counts_requests=rank == counting_rank,
             stats=stats,
         )

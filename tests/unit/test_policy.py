@@ -44,16 +44,16 @@ def _every_case():
     ],
 )
 def test_async_load_tails_follow_zero_tails_and_vllms_own_gate(zero_tails, needs_zeroing, expected):
-    assert _policy(zero_tails, needs_zeroing=needs_zeroing).zero_tails is expected
+    assert _policy(zero_tails, needs_zeroing=needs_zeroing).zeroes_tails is expected
 
 
 def test_failed_loads_are_zeroed_only_where_vllm_does_not_rezero_them():
-    assert _policy("always", needs_zeroing=False).zero_failed_loads
-    assert not _policy("always", needs_zeroing=True).zero_failed_loads  # vLLM re-zeroes
-    assert not _policy("auto", needs_zeroing=True).zero_failed_loads
+    assert _policy("always", needs_zeroing=False).zeroes_failed_loads
+    assert not _policy("always", needs_zeroing=True).zeroes_failed_loads  # vLLM re-zeroes
+    assert not _policy("auto", needs_zeroing=True).zeroes_failed_loads
     for zero_tails, facts in _every_case():
         p = _policy(zero_tails, **facts)
-        assert p.record_every_load == p.zero_failed_loads  # block-aligned loads too
+        assert p.records_every_load == p.zeroes_failed_loads  # block-aligned loads too
 
 
 def test_no_setting_leaves_a_read_tail_neither_vllm_nor_the_wrapper_zeroes():
@@ -64,40 +64,40 @@ def test_no_setting_leaves_a_read_tail_neither_vllm_nor_the_wrapper_zeroes():
         p = _policy(zero_tails, **facts)
         kept_from_vllm = facts["sync_read"] and facts["needs_zeroing"]
         if kept_from_vllm and facts["is_consumer"]:
-            assert p.zero_read_tails, (zero_tails, facts)
+            assert p.zeroes_read_tails, (zero_tails, facts)
         if not (facts["sync_read"] and facts["is_consumer"]):
-            assert not p.zero_read_tails  # nothing is READ into this engine
+            assert not p.zeroes_read_tails  # nothing is READ into this engine
 
 
 def test_read_exclusion_only_for_sync_reads_on_zeroing_models_vllm_does_not_filter():
-    assert _policy("off", sync_read=True, needs_zeroing=True).exclude_reads
-    assert not _policy(sync_read=True, needs_zeroing=True, has_mamba=True).exclude_reads
-    assert not _policy("always", sync_read=True, needs_zeroing=False).exclude_reads
-    assert not _policy(needs_zeroing=True).exclude_reads
+    assert _policy("off", sync_read=True, needs_zeroing=True).excludes_reads
+    assert not _policy(sync_read=True, needs_zeroing=True, has_mamba=True).excludes_reads
+    assert not _policy("always", sync_read=True, needs_zeroing=False).excludes_reads
+    assert not _policy(needs_zeroing=True).excludes_reads
 
 
 def test_a_producer_never_maps_caches_for_read_tails():
     p = _policy("off", sync_read=True, needs_zeroing=True, is_consumer=False)
-    assert not p.zero_read_tails and not p.needs_caches
+    assert not p.zeroes_read_tails and not p.needs_caches
 
 
 def test_per_layer_read_tails_only_where_reads_are_zeroed_and_land_per_layer():
     on = dict(sync_read=True, needs_zeroing=True, is_consumer=True)
-    assert _policy(**on, reads_may_land_per_layer=True).read_tails_by_layer
-    assert not _policy(**on, reads_may_land_per_layer=False).read_tails_by_layer
-    assert not _policy(sync_read=True, reads_may_land_per_layer=True).read_tails_by_layer
+    assert _policy(**on, reads_may_land_per_layer=True).zeroes_reads_by_layer
+    assert not _policy(**on, reads_may_land_per_layer=False).zeroes_reads_by_layer
+    assert not _policy(sync_read=True, reads_may_land_per_layer=True).zeroes_reads_by_layer
 
 
 def test_completions_are_held_only_for_transfers_that_bypass_the_fence():
     for zero_tails, facts in _every_case():
-        assert _policy(zero_tails, **facts).hold_completions is facts["writes_past_the_fence"]
+        assert _policy(zero_tails, **facts).holds_completions is facts["writes_past_the_fence"]
 
 
 def test_the_probe_is_the_users_setting_and_the_policy_is_frozen():
     p = _policy(probe=True)
-    assert p.probe
+    assert p.probes
     with pytest.raises(AttributeError):
-        p.zero_tails = True  # type: ignore[misc]
+        p.zeroes_tails = True  # type: ignore[misc]
 
 
 def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
@@ -110,34 +110,34 @@ def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
 
 def test_a_producer_vouches_only_where_its_transfer_carries_the_zeroed_tail():
     p = _claims(is_producer=True)
-    assert p.vouch_tails and p.producer_hook == "wait_for_save" and p.needs_caches
-    assert not _claims(is_producer=True, carries_producer_tail=False).vouch_tails
+    assert p.vouches_for_tails and p.producer_hook == "wait_for_save" and p.needs_caches
+    assert not _claims(is_producer=True, carries_producer_tail=False).vouches_for_tails
     drafter = _claims(is_producer=True, producer_hook=None)  # no ordered hook
-    assert not drafter.vouch_tails and drafter.producer_hook is None
-    assert not _claims(is_producer=False).vouch_tails
-    assert not _claims("off", is_producer=True).vouch_tails
+    assert not drafter.vouches_for_tails and drafter.producer_hook is None
+    assert not _claims(is_producer=False).vouches_for_tails
+    assert not _claims("off", is_producer=True).vouches_for_tails
 
 
 def test_a_producer_vouches_where_its_consumer_would_zero():
     # Tails matter where zero_tails zeroes, or where READ tails are zeroed anyway.
-    assert not _claims(zero_tails="auto", is_producer=True).vouch_tails  # model needs none
-    assert _claims(zero_tails="auto", is_producer=True, needs_zeroing=True).vouch_tails
+    assert not _claims(zero_tails="auto", is_producer=True).vouches_for_tails  # model needs none
+    assert _claims(zero_tails="auto", is_producer=True, needs_zeroing=True).vouches_for_tails
     off = _claims(zero_tails="off", is_producer=True, needs_zeroing=True)
-    assert not off.vouch_tails and not off.needs_caches
+    assert not off.vouches_for_tails and not off.needs_caches
     read = _claims(zero_tails="off", is_producer=True, needs_zeroing=True, sync_read=True)
-    assert read.vouch_tails and read.needs_caches
+    assert read.vouches_for_tails and read.needs_caches
 
 
 def test_a_consumer_checks_claims_only_over_a_transfer_that_carries_them():
     for vouch in ("auto", "trust"):
-        assert _claims(vouch, is_consumer=True).check_claims
-        assert not _claims(vouch, is_consumer=True, carries_producer_tail=False).check_claims
-        assert not _claims(vouch, is_consumer=False).check_claims
-        assert _claims(vouch, is_producer=True).vouch_tails  # producers vouch in both
+        assert _claims(vouch, is_consumer=True).checks_claims
+        assert not _claims(vouch, is_consumer=True, carries_producer_tail=False).checks_claims
+        assert not _claims(vouch, is_consumer=False).checks_claims
+        assert _claims(vouch, is_producer=True).vouches_for_tails  # producers vouch in both
     off = _claims("off", is_consumer=True)
-    assert not (off.check_claims or off.trust_vouched)
+    assert not (off.checks_claims or off.trusts_some_claim)
     both = _claims("trust", is_consumer=True, is_producer=True)  # kv_both
-    assert both.trust_load_claims and both.vouch_tails
+    assert both.trusts_load_claims and both.vouches_for_tails
 
 
 READ = {"sync_read": True, "needs_zeroing": True, "is_consumer": True}
@@ -145,18 +145,18 @@ READ = {"sync_read": True, "needs_zeroing": True, "is_consumer": True}
 
 def test_by_default_claims_skip_work_only_on_per_layer_read_tails():
     # auto: an async load's tail is always zeroed by the consumer itself...
-    assert not _claims(is_consumer=True).trust_vouched
+    assert not _claims(is_consumer=True).trusts_some_claim
     # ...a READ tail zeroed per layer (vLLM 0.32) is skipped on a bound claim,
     per_layer = _claims(reads_may_land_per_layer=True, **READ)
-    assert per_layer.read_tails_by_layer and per_layer.trust_read_claims
-    assert not per_layer.trust_load_claims
+    assert per_layer.zeroes_reads_by_layer and per_layer.trusts_read_claims
+    assert not per_layer.trusts_load_claims
     # ...and a READ tail zeroed once per step (0.33) is not.
     at_start = _claims(**READ)
-    assert at_start.check_claims and not at_start.trust_vouched
+    assert at_start.checks_claims and not at_start.trusts_some_claim
     # trust: every path; off: none.
-    assert _claims("trust", **READ).trust_read_claims
-    assert _claims("trust", is_consumer=True).trust_load_claims
-    assert not _claims("off", reads_may_land_per_layer=True, **READ).trust_vouched
+    assert _claims("trust", **READ).trusts_read_claims
+    assert _claims("trust", is_consumer=True).trusts_load_claims
+    assert not _claims("off", reads_may_land_per_layer=True, **READ).trusts_some_claim
 
 
 def _verify(verify: str = "digest", **facts):
@@ -169,14 +169,16 @@ def _verify(verify: str = "digest", **facts):
 
 def test_verify_kv_digests_on_producers_and_verifies_on_consumers():
     p = _verify(is_producer=True)
-    assert p.digest_prompts and not p.verify_loads and p.needs_caches
-    assert p.producer_hook == "wait_for_save" and not p.vouch_tails  # the model needs no zeroing
+    assert p.digests_prompts and not p.verifies_loads and p.needs_caches
+    assert (
+        p.producer_hook == "wait_for_save" and not p.vouches_for_tails
+    )  # the model needs no zeroing
     d = _verify(is_consumer=True)
-    assert d.verify_loads and not d.digest_prompts and d.needs_caches
+    assert d.verifies_loads and not d.digests_prompts and d.needs_caches
     both = _verify(is_producer=True, is_consumer=True)
-    assert both.digest_prompts and both.verify_loads
+    assert both.digests_prompts and both.verifies_loads
     off = _verify("off", is_producer=True, is_consumer=True)
-    assert not (off.digest_prompts or off.verify_loads or off.needs_caches)
+    assert not (off.digests_prompts or off.verifies_loads or off.needs_caches)
     assert off.producer_hook is None
 
 
@@ -202,12 +204,12 @@ def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
 def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_nothing():
     # vLLM's NIXL examples run decode engines as kv_both; decode engines run MTP/EAGLE.
     both = _verify(is_producer=True, is_consumer=True, producer_hook=None)
-    assert both.verify_loads and not both.digest_prompts
+    assert both.verifies_loads and not both.digests_prompts
 
 
 def test_a_producer_with_sync_reads_may_digest():
     # MoRIIO READ producers: their consumer reads P's blocks after the params.
-    assert _verify(is_producer=True, sync_read=True).digest_prompts
+    assert _verify(is_producer=True, sync_read=True).digests_prompts
 
 
 def test_segments_inside_a_range_match_a_brute_force_count():

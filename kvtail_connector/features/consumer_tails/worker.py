@@ -55,16 +55,16 @@ class ConsumerTailsWorker:
 
     Args:
         rank: this rank's caches and zeroer.
-        hold_completions: keep completions out of ``finished_recving`` until
-            their zeroing has executed (``TailPolicy.hold_completions``).
+        holds_completions: keep completions out of ``finished_recving`` until
+            their zeroing has executed (``TailPolicy.holds_completions``).
     """
 
-    def __init__(self, rank: RankZeroing, *, hold_completions: bool) -> None:
+    def __init__(self, rank: RankZeroing, *, holds_completions: bool) -> None:
         self._rank = rank
         self._loads: dict[str, Pending] = {}
         # Loads in flight whose request vLLM has already finished (aborted).
         self._abandoned: set[str] = set()
-        self._hold = CompletionHold() if hold_completions else None
+        self._hold = CompletionHold() if holds_completions else None
 
     def bind(self, loads: Iterable[LoadRecord]) -> None:
         rank = self._rank

@@ -39,13 +39,13 @@ class VerificationScheduler:
     Args:
         records: the record builder (groups).
         stats: the counters this side reports.
-        digest_prompts: this engine digests its remote-decode prompts.
+        digests_prompts: this engine digests its remote-decode prompts.
     """
 
-    def __init__(self, records: LoadRecords, stats: KVTailStats, *, digest_prompts: bool) -> None:
+    def __init__(self, records: LoadRecords, stats: KVTailStats, *, digests_prompts: bool) -> None:
         self._records = records
         self._stats = stats
-        self._digest = digest_prompts
+        self._digest = digests_prompts
         self._producing: dict[str, Any] = {}
         self._digesting: dict[str, int] = {}  # prompt length of those shipped
         self._provisional: dict[str, tuple[dict[str, Any], int]] = {}

@@ -28,12 +28,12 @@ class VerificationWorker:
 
     Args:
         heads: this rank's TP placement of the KV heads.
-        verify_loads: this rank checks loads (a consumer).
+        verifies_loads: this rank checks loads (a consumer).
     """
 
-    def __init__(self, heads: HeadPlacement, *, verify_loads: bool) -> None:
+    def __init__(self, heads: HeadPlacement, *, verifies_loads: bool) -> None:
         self._heads = heads
-        self._verify_loads = verify_loads
+        self._verify_loads = verifies_loads
         self._digests: RankDigests | None = None
         self._released: RankDigests | None = None
         self._records: list[LoadRecord] = []  # a producer's prompts bound this step

@@ -3,7 +3,7 @@ zeroed, and loads the wrapper reports failed itself.
 
 A failed or partially invalid load is recomputed by vLLM (or fails the
 request, ``kv_load_failure_policy``). Where vLLM does not re-zero its blocks
-(``TailPolicy.zero_failed_loads``) every destination slot from the first
+(``TailPolicy.zeroes_failed_loads``) every destination slot from the first
 invalid block on is zeroed, so nothing stale survives the recompute; the
 blocks before it hold valid KV and are never touched.
 

@@ -34,10 +34,10 @@ class ReadTailsScheduler:
         records: the record builder.
         adapter: what differs for this inner connector (its READ destinations).
         stats: the counters this side reports.
-        zero_read_tails: ship READ tail records (``TailPolicy.zero_read_tails``).
-        exclude_reads: drop READ destinations from vLLM's zero list
-            (``TailPolicy.exclude_reads``).
-        trust_read_claims: a bound, matching claim marks the record vouched.
+        zeroes_read_tails: ship READ tail records (``TailPolicy.zeroes_read_tails``).
+        excludes_reads: drop READ destinations from vLLM's zero list
+            (``TailPolicy.excludes_reads``).
+        trusts_read_claims: a bound, matching claim marks the record vouched.
         claims: the claims part (decides on a claim), if on.
     """
 
@@ -47,17 +47,17 @@ class ReadTailsScheduler:
         adapter: InnerAdapter,
         stats: KVTailStats,
         *,
-        zero_read_tails: bool,
-        exclude_reads: bool,
-        trust_read_claims: bool,
+        zeroes_read_tails: bool,
+        excludes_reads: bool,
+        trusts_read_claims: bool,
         claims: ClaimsScheduler | None,
     ) -> None:
         self._records = records
         self._adapter = adapter
         self._stats = stats
-        self._zero = zero_read_tails
-        self._exclude = exclude_reads
-        self._trust = trust_read_claims
+        self._zero = zeroes_read_tails
+        self._exclude = excludes_reads
+        self._trust = trusts_read_claims
         self._claims = claims
         # Their records wait for build_connector_meta, which knows the step's tokens.
         self._pending: list[_PendingRead] = []

@@ -31,8 +31,8 @@ class ReadTailsWorker:
 
     Args:
         rank: this rank's caches and zeroer.
-        by_layer: READs may land layer by layer (``read_tails_by_layer``).
-        trust_load_claims: claims skip zeroing wherever they match
+        by_layer: READs may land layer by layer (``zeroes_reads_by_layer``).
+        trusts_load_claims: claims skip zeroing wherever they match
             (``vouch_tails: trust``); else only on the per-layer path.
         claims: the claims part (counts what vouched READs skip), if on.
     """
@@ -42,12 +42,12 @@ class ReadTailsWorker:
         rank: RankZeroing,
         *,
         by_layer: bool,
-        trust_load_claims: bool,
+        trusts_load_claims: bool,
         claims: ClaimsWorker | None,
     ) -> None:
         self._rank = rank
         self._wants_by_layer = by_layer
-        self._trust_all = trust_load_claims
+        self._trust_all = trusts_load_claims
         self._claims = claims
         self._read_loads: list[LoadRecord] = []
         self._by_layer: ReadTailsByLayer | None = None

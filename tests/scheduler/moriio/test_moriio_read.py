@@ -549,7 +549,7 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
     dests = run.inner_meta(out).reqs_to_recv["read"].local_block_ids
 
     caches = allocate(kv)
-    worker = make_tail_worker(kv, read_tails_by_layer=per_layer)
+    worker = make_tail_worker(kv, zeroes_reads_by_layer=per_layer)
     worker.register_kv_caches(caches.views, kv)
     worker.bind(out.kv_connector_metadata)
     if per_layer:
@@ -627,9 +627,9 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
         stats = KVTailStats()
         worker = make_tail_worker(
             kv,
-            read_tails_by_layer=per_layer,
-            check_claims=True,  # as resolve_policy has it wherever a claim can be vouched
-            trust_load_claims=vouch_tails == "trust",
+            zeroes_reads_by_layer=per_layer,
+            checks_claims=True,  # as resolve_policy has it wherever a claim can be vouched
+            trusts_load_claims=vouch_tails == "trust",
             stats=stats,
         )
         worker.register_kv_caches(caches.views, kv)

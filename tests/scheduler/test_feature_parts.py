@@ -1,0 +1,80 @@
+"""The shape of the two sides: coordinators route, parts hold the state.
+
+TailScheduler and TailWorker keep no per-request state of their own (every
+container lives in a feature part), and a feature the policy turns off has no
+part, so none of its code runs on any hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvtail_connector import entry
+from kvtail_connector.connectors import adapter_for
+from kvtail_connector.features.zeroing import RankPlacement
+from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.policy import TailPolicy
+from kvtail_connector.scheduler import TailScheduler
+from kvtail_connector.stats import KVTailStats
+from kvtail_connector.worker import TailWorker
+from tests.helpers.recording import RecordingConnector
+from tests.helpers.vllm_factories import make_kv_cache_config
+from tests.helpers.worker_caches import allocate
+
+ALL_ON = dict.fromkeys(
+    (f.name for f in dataclasses.fields(TailPolicy) if f.type in ("bool", bool)), True
+)
+# A policy that is only consistent as a test subject: every part built at once.
+EVERY_PART = TailPolicy(**{**ALL_ON, "producer_hook": "wait_for_save"})
+NO_PART = TailPolicy(**dict.fromkeys(ALL_ON, False))
+
+CONTAINERS = (dict, list, set, frozenset, tuple)
+
+
+def _worker(policy: TailPolicy) -> TailWorker:
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    worker = TailWorker(group_infos(kv, 1), RankPlacement(), policy, stats=KVTailStats())
+    worker.register_kv_caches(allocate(kv).views, kv)
+    return worker
+
+
+def _scheduler(policy: TailPolicy) -> TailScheduler:
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    return TailScheduler(
+        object(),  # the inner connector: no hook runs here
+        group_infos(kv, 1),
+        policy,
+        adapter=adapter_for(RecordingConnector, {}, []),
+        stats=KVTailStats(),
+        geometry=entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
+    )
+
+
+def _own_containers(obj: Any) -> list[str]:
+    return [name for name, value in vars(obj).items() if isinstance(value, CONTAINERS)]
+
+
+@pytest.mark.parametrize("build", [_worker, _scheduler], ids=["worker", "scheduler"])
+def test_the_coordinators_hold_no_state_of_their_own(build):
+    side = build(EVERY_PART)
+    assert _own_containers(side) == []
+    assert side.num_tracked == 0
+
+
+def test_every_part_exists_when_every_feature_is_on():
+    worker, scheduler = _worker(EVERY_PART), _scheduler(EVERY_PART)
+    for side, parts in (
+        (worker, ("_tails", "_errors", "_claims", "_reads", "_verify")),
+        (scheduler, ("_tails", "_errors", "_claims", "_reads", "_verify", "_reader", "_writer")),
+    ):
+        assert all(getattr(side, p) is not None for p in parts), parts
+
+
+def test_a_feature_that_is_off_has_no_part():
+    worker, scheduler = _worker(NO_PART), _scheduler(NO_PART)
+    assert (worker._claims, worker._reads, worker._verify) == (None, None, None)
+    assert (scheduler._claims, scheduler._reads, scheduler._verify) == (None, None, None)
+    assert (scheduler._reader, scheduler._writer) == (None, None)
