@@ -293,6 +293,41 @@ def digest_rows(
     return rows
 
 
+def completion_rows(
+    reps: int,
+    layer_counts: tuple[int, ...] = (2, 80),
+    num_blocks: int = 1024,
+    sizes: tuple[int, ...] = (0, 1, 64),
+) -> list[dict[str, float]]:
+    """Host µs of a completion of ``n`` loads (their records bound before each
+    rep) and of binding them, per layer count."""
+    rows: list[dict[str, float]] = []
+    for layers in layer_counts:
+        worker = build_worker(layers, num_blocks)
+        for n in sizes:
+            recs = records(n, num_blocks)
+            finished = {r.req_id for r in recs}
+            meta = KVTailMetadata(inner=None, loads=recs)  # type: ignore[arg-type]
+
+            def bind(meta=meta, worker=worker):
+                worker.bind(meta)
+
+            def complete(finished=finished, worker=worker):
+                worker.on_transfer_results(finished, (), _NoLoadErrors())
+
+            def forget(finished=finished, worker=worker):
+                # What a rep bound, dropped (the loads completed, unzeroed).
+                worker.contain_transfer_results(
+                    KVConnectorTransferResults(finished_recving=finished), set()
+                )
+
+            us = host_time(complete, reps, before=bind if n else None)
+            bind_us = host_time(bind, reps, before=forget)
+            forget()
+            rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json")
@@ -304,26 +339,7 @@ def main() -> int:
     x = torch.empty(1, device="cuda")
     _noop[(1,)](x)
     bare = host_time(lambda: _noop[(1,)](x), args.reps)
-    rows = []
-    for layers in (2, 80):
-        worker = build_worker(layers, 1024)
-        for n in (0, 1, 64):
-            recs = records(n, 1024)
-            finished = {r.req_id for r in recs}
-            meta = KVTailMetadata(inner=None, loads=recs)  # type: ignore[arg-type]
-
-            def bind(meta=meta, worker=worker):
-                worker.bind(meta)
-
-            def complete(finished=finished, worker=worker):
-                worker.on_transfer_results(finished, (), _NoLoadErrors())
-
-            us = host_time(complete, args.reps, before=bind if n else None)
-            bind_us = host_time(
-                bind, args.reps, before=lambda f=finished, w=worker: w._loads.clear()
-            )
-            worker._tails._loads.clear()
-            rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
+    rows = completion_rows(args.reps)
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         + (", vLLM not installed (benchmarks/without_vllm.py)" if VLLM_STOOD_IN else "")

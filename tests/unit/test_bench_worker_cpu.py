@@ -66,6 +66,7 @@ rows = {
     "read": bench.read_tail_rows(1, layers=2, num_blocks=64),
     "producer": bench.producer_rows(1, layers=2, num_blocks=64),
     "digest": bench.digest_rows(1, layers=2, num_blocks=64, sizes=((1, 40), (2, 24))),
+    "completion": bench.completion_rows(1, layer_counts=(2,), num_blocks=64, sizes=(0, 1, 3)),
 }
 print(json.dumps(dict(
     stood_in=bench.VLLM_STOOD_IN,
@@ -92,4 +93,4 @@ def test_bench_worker_gpu_runs_without_vllm_and_pydantic() -> None:
     assert out["zeroed"] == ["r0", "r1", "r2"]
     assert out["bytes_as_expected"]
     # Two READ sizes x three paths; two producer sizes; the two digest sizes.
-    assert out["rows"] == {"read": 6, "producer": 2, "digest": 2}
+    assert out["rows"] == {"read": 6, "producer": 2, "digest": 2, "completion": 3}
