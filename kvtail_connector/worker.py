@@ -40,7 +40,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker
+from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker, Pending
 from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
 from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
@@ -286,14 +286,37 @@ class TailWorker:
     ) -> set[str]:
         """Zero the tails of completed loads (and failed loads' blocks) in one
         launch. Returns the requests it zeroed for."""
-        tails, errors, rank, policy = self._tails, self._errors, self._rank, self._policy
+        tails, errors, rank = self._tails, self._errors, self._rank
         if not tails.loading:
             return set()
         errors.fetch(inner)
-        failed = set(failed_recving)
-        done = tails.completed(finished_recving)
+        done, special = tails.completed(finished_recving)
         if not done:
             return set()
+        if (
+            special
+            or failed_recving
+            or errors.has_invalid
+            or tails.any_abandoned
+            or rank.released
+            or not self._policy.zeroes_tails
+        ):
+            return self._complete_each(done, set(failed_recving))
+        # The usual step: every load completed clean, with nothing but its
+        # tail to zero (what _complete_each does for such loads, in bulk).
+        errors.settle_clean(p.record for p in done)
+        batches = [p.tails or rank.tail_zeroing(p.record) for p in done]
+        rank.zero(batches)
+        # Counted once the launch returned: a failed one zeroed nothing.
+        rank.count_tails(sum([p.has_tail for p in done]))
+        return {b.owner for b in batches if b.lines}
+
+    def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
+        """Completed loads one by one: aborted ones dropped; with the KV cache
+        released, reported failed; failed or invalid ones' blocks zeroed (where
+        vLLM does not); digests launched; vouched tails checked; every tail
+        zeroed in one launch. Returns the requests it zeroed for."""
+        errors, rank, policy, tails = self._errors, self._rank, self._policy, self._tails
         batches: list[Zeroing] = []
         vouched: list[Zeroing] = []
         vouched_records: list[LoadRecord] = []
@@ -331,7 +354,7 @@ class TailWorker:
                     continue
                 if batch.lines:
                     batches.append(batch)
-                num_tails += rank.has_tail(record)
+                num_tails += pending.has_tail
         if checks and self._verify is not None:
             self._verify.check(checks)
         if vouched and self._claims is not None:

@@ -84,6 +84,11 @@ class RankZeroing:
         self.sets: list[CacheSet] = []
         self.tail_bytes = TailBytes((), ())
         self._sets_of_group: dict[int, list[_SetInfo]] = {}
+        # (group, valid tokens in the tail block) -> what each of its sets'
+        # lines needs but the block: (set, first slot, line facts, bytes).
+        self._tail_facts: dict[
+            tuple[int, int], list[tuple[int, int, tuple[int, int, int], int]]
+        ] = {}
         # Recorded behind the latest launch of any part: start_load_kv's fence.
         self.last_zeroing: torch.cuda.Event | None = None
         # Sleep mode: the zeroer unregister_kv_caches put away (see release()).
@@ -101,6 +106,7 @@ class RankZeroing:
         for i, s in enumerate(sets):
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
         self.tail_bytes = TailBytes.of(sets)
+        self._tail_facts = {}
         self.zeroer.warmup()
 
     @property
@@ -144,6 +150,57 @@ class RankZeroing:
         tail_bytes = self.tail_bytes
         nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
         return Zeroing(owner, lines, nbytes)
+
+    def tail_zeroing(self, record: LoadRecord) -> Zeroing:
+        """``zeroing(record.req_id, tail_items(record))``, from facts kept per
+        (group, valid tokens): a record costs a few tuples, whatever the layers."""
+        zeroer = self.zeroer
+        if zeroer is None:
+            return Zeroing(record.req_id, [], 0)
+        lines: list[Line] = []
+        nbytes = 0
+        for load in record.groups:
+            k, n = divmod(record.num_loaded, self.groups[load.group].effective_block)
+            if not n:
+                continue
+            idx = k - load.first_block
+            if not 0 <= idx < len(load.block_ids):
+                continue
+            block = load.block_ids[idx]
+            if block == NULL_BLOCK:
+                continue
+            facts = self._tail_facts.get((load.group, n))
+            if facts is None:
+                facts = self._tail_facts[(load.group, n)] = self._facts_of(load.group, n)
+            for index, first, (start, count, chunks), size in facts:
+                lines.append(
+                    Line((index, block, first), (block, first, start, count), count, chunks)
+                )
+                nbytes += size
+        return Zeroing(record.req_id, lines, nbytes)
+
+    def _facts_of(self, group: int, n: int) -> list[tuple[int, int, tuple[int, int, int], int]]:
+        zeroer = self.zeroer
+        assert zeroer is not None
+        info = self.groups[group]
+        sharded = info.dcp_size > 1
+        placement = self.placement
+        out = []
+        for s in self._sets_of_group.get(group, ()):
+            first = first_stale_slot(
+                n,
+                dcp_rank=placement.dcp_rank if sharded else 0,
+                dcp_world_size=info.dcp_size,
+                interleave=placement.interleave if sharded else 1,
+                tokens_per_state=s.tokens_per_state,
+            )
+            line = zeroer.line(s.index, 0, first)
+            if line is not None:
+                _, (_, _, start, count), _, chunks = line
+                out.append(
+                    (s.index, first, (start, count, chunks), self.tail_bytes(s.index, first))
+                )
+        return out
 
     def tail_items(self, record: LoadRecord) -> list[Item]:
         """The never-written slots of ``record``'s last block, per cache set."""

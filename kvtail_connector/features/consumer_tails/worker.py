@@ -27,7 +27,7 @@ that orders after the zeroing:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -39,15 +39,17 @@ from kvtail_connector.metadata import LoadRecord
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class Pending:
-    """A load in flight: its record and its tails, encoded when it arrived."""
+class Pending(NamedTuple):
+    """A load in flight: its record and its tails, encoded when it arrived
+    (a tuple: one per load, built on the per-step path)."""
 
     record: LoadRecord
     tails: Zeroing | None  # None: no caches registered when it arrived
+    has_tail: bool  # RankZeroing.has_tail(record)
+    special: bool  # vouched, or a digest to verify: more than its tail to do
 
     def zeroing(self, rank: RankZeroing) -> Zeroing:
-        return self.tails or rank.zeroing(self.record.req_id, rank.tail_items(self.record))
+        return self.tails or rank.tail_zeroing(self.record)
 
 
 class ConsumerTailsWorker:
@@ -62,27 +64,38 @@ class ConsumerTailsWorker:
     def __init__(self, rank: RankZeroing, *, holds_completions: bool) -> None:
         self._rank = rank
         self._loads: dict[str, Pending] = {}
+        self._special = 0  # loads in _loads with Pending.special
         # Loads in flight whose request vLLM has already finished (aborted).
         self._abandoned: set[str] = set()
         self._hold = CompletionHold() if holds_completions else None
 
     def bind(self, loads: Iterable[LoadRecord]) -> None:
-        rank = self._rank
+        rank, pending = self._rank, self._loads
+        # Without registered caches (profiling, sleep mode) the lines are
+        # built at completion instead.
+        encode = rank.zeroer is not None
         for record in loads:
-            # Without registered caches (profiling, sleep mode) the lines are
-            # built at completion instead.
-            tails = (
-                rank.zeroing(record.req_id, rank.tail_items(record))
-                if rank.zeroer is not None
-                else None
+            req_id = record.req_id
+            special = record.vouched or record.expected is not None
+            old = pending.get(req_id)
+            if old is not None:  # a new load of a reused id
+                self._special -= old.special
+            pending[req_id] = Pending(
+                record,
+                rank.tail_zeroing(record) if encode else None,
+                rank.has_tail(record),
+                special,
             )
-            self._loads[record.req_id] = Pending(record, tails)
-            self._abandoned.discard(record.req_id)  # a new load of a reused id
+            self._special += special
+            if self._abandoned:
+                self._abandoned.discard(req_id)
 
     def drop(self, req_ids: Iterable[str]) -> None:
         """Forget these loads (their record is lost: reported failed instead)."""
         for req_id in req_ids:
-            self._loads.pop(req_id, None)
+            old = self._loads.pop(req_id, None)
+            if old is not None:
+                self._special -= old.special
             self._abandoned.discard(req_id)
 
     @property
@@ -94,9 +107,20 @@ class ConsumerTailsWorker:
         if self._loads and finished_req_ids:
             self._abandoned.update(r for r in finished_req_ids if r in self._loads)
 
-    def completed(self, finished_recving: Iterable[str]) -> list[Pending]:
-        """The tracked loads among ``finished_recving``, forgotten here."""
-        return [p for p in (self._loads.pop(req, None) for req in finished_recving) if p]
+    def completed(self, finished_recving: Iterable[str]) -> tuple[list[Pending], bool]:
+        """The tracked loads among ``finished_recving``, forgotten here, and
+        whether any of them is ``special``."""
+        loads = self._loads
+        done = [loads.pop(req) for req in finished_recving if req in loads]
+        special = 0
+        if self._special:
+            special = sum([p.special for p in done])
+            self._special -= special
+        return done, special > 0
+
+    @property
+    def any_abandoned(self) -> bool:
+        return bool(self._abandoned)
 
     def abandoned(self, req_id: str) -> bool:
         """Whether this completed load's request was finished while it loaded

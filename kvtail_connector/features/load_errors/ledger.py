@@ -47,6 +47,18 @@ class LoadErrorLedger:
         self._blocks.pop(req_id, None)
         return self._invalid.pop(req_id, set())
 
+    def release_clean(self, req_ids: Iterable[str]) -> None:
+        """Forget loads none of whose blocks was reported invalid (the caller
+        checked :attr:`has_invalid` is False)."""
+        blocks = self._blocks
+        for req_id in req_ids:
+            blocks.pop(req_id, None)
+
+    @property
+    def has_invalid(self) -> bool:
+        """Some tracked load holds a block reported invalid."""
+        return bool(self._invalid)
+
     def fetch(self, inner: Any) -> None:
         """Ask the inner connector now, ahead of the runner, and attribute."""
         fresh = _ask(inner)

@@ -57,6 +57,15 @@ class LoadErrorsWorker:
         pass: fetched now, before the runner asks for them."""
         self._ledger.fetch(inner)
 
+    @property
+    def has_invalid(self) -> bool:
+        return self._ledger.has_invalid
+
+    def settle_clean(self, records: Iterable[LoadRecord]) -> None:
+        """Forget these completed loads, none with an invalid block
+        (:attr:`has_invalid` is False)."""
+        self._ledger.release_clean(r.req_id for r in records)
+
     def settle(self, record: LoadRecord) -> tuple[int, int] | None:
         """Forget the completed load ``record``; (group, index in its block
         list) of its first invalid block, or None."""

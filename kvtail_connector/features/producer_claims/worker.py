@@ -51,7 +51,7 @@ class ClaimsWorker:
         records, self._producer_tails = self._producer_tails, []
         rank = self._rank
         if records and rank.zeroer is not None:
-            batches = [rank.zeroing(r.req_id, rank.tail_items(r)) for r in records]
+            batches = [rank.tail_zeroing(r) for r in records]
             # Not probed: the counters say what consumers received.
             rank.zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
             self._zeroed.extend(r.req_id for r in records)

@@ -116,7 +116,7 @@ class ReadTailsWorker:
             )
             return
         if landed or by_layer is None:
-            rank.zero([rank.zeroing(r.req_id, rank.tail_items(r)) for r in records])
+            rank.zero([rank.tail_zeroing(r) for r in records])
             rank.count_tails(sum(rank.has_tail(r) for r in records))
             return
         for r in records:

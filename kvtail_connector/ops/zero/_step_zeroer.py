@@ -94,7 +94,7 @@ class StepZeroer(KVZeroer):
         if self._launcher is None:
             self._zero_torch(np.array([ln.item for ln in lines], dtype=np.int64))
             return len(lines)
-        self._launcher.run(*line_work(lines))
+        self._launcher.run_lines(lines)
         return len(lines)
 
     def stage_groups(

@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
+from kvtail_connector.ops.zero.plan import Line, fill_line_work, line_work
 from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
 
 # ops must not import vLLM: a plain logger (vLLM's handler sees it when the
@@ -230,6 +232,19 @@ class KernelLauncher:
             self._staged_done = torch.cuda.Event()
         self._staged_done.record()
         self.last_done = self._staged_done
+
+    def run_lines(self, lines: Sequence[Line]) -> None:
+        """Zero ``lines``: written straight into a graph slot's buffer and
+        replayed where they fit, else staged and launched."""
+        if self._use_graphs and self._graphs is None:
+            self.warmup()
+        graphs = self._graphs
+        if graphs is not None and HEADER_WORDS + ITEM_COLS * len(lines) <= graphs.entries:
+            fill_line_work(graphs.next_buffer(), lines)
+            self.last_done = graphs.replay()
+            return
+        work, units = line_work(lines)
+        self.launch_staged(self.stage(work), units)
 
     def run(self, work: np.ndarray, units: int) -> None:
         """Zero what ``work`` describes: a graph replay if it fits, else stage + launch."""

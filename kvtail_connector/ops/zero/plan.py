@@ -144,6 +144,29 @@ def line_work(lines: Sequence[Line]) -> tuple[np.ndarray, int]:
     return work, units
 
 
+def fill_line_work(buf: np.ndarray, lines: Sequence[Line]) -> int:
+    """:func:`line_work` written into ``buf`` (int64, at least ``HEADER_WORDS
+    + ITEM_COLS * len(lines)`` long); returns the work units. Tails only (the
+    completion path's usual case) skip the itertools packing."""
+    n = len(lines)
+    if n == 0 or any(ln.item[2] == 0 for ln in lines):
+        work, units = line_work(lines)
+        buf[: work.size] = work
+        return units
+    if n == 1:
+        line = lines[0]
+        rows, chunks = line.rows, line.chunks
+        buf[HEADER_WORDS : HEADER_WORDS + ITEM_COLS] = line.work
+    else:
+        rows = max([ln.rows for ln in lines])
+        chunks = max([ln.chunks for ln in lines])
+        end = HEADER_WORDS + ITEM_COLS * n
+        buf[HEADER_WORDS:end] = list(itertools.chain.from_iterable([ln.work for ln in lines]))
+    header, units = work_header(0, 0, 0, n, rows, chunks)
+    buf[:HEADER_WORDS] = header
+    return units
+
+
 def encoded_work(encoded: Encoded) -> tuple[np.ndarray, int]:
     """The kernel's work buffer (header + whole-block lines + tail lines)."""
     whole, tails = encoded.whole, encoded.tails
