@@ -34,6 +34,7 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -54,6 +55,8 @@ from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
+
+_REQ_ID = operator.attrgetter("req_id")
 
 
 class TailWorker:
@@ -304,12 +307,16 @@ class TailWorker:
             return self._complete_each(done, set(failed_recving))
         # The usual step: every load completed clean, with nothing but its
         # tail to zero (what _complete_each does for such loads, in bulk).
-        errors.settle_clean(p.record for p in done)
-        batches = [p.tails or rank.tail_zeroing(p.record) for p in done]
-        rank.zero(batches)
+        records, batches, has_tails, _ = zip(*done, strict=True)
+        if None in batches:  # bound before the caches were registered
+            batches = tuple(
+                b or rank.tail_zeroing(r) for b, r in zip(batches, records, strict=True)
+            )
+        errors.settle_clean(map(_REQ_ID, records))
+        zeroed = rank.zero(batches)
         # Counted once the launch returned: a failed one zeroed nothing.
-        rank.count_tails(sum([p.has_tail for p in done]))
-        return {b.owner for b in batches if b.lines}
+        rank.count_tails(sum(has_tails))
+        return zeroed
 
     def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
         """Completed loads one by one: aborted ones dropped; with the KV cache
@@ -361,10 +368,10 @@ class TailWorker:
             false, false_tails = self._claims.check_vouched(vouched, vouched_records)
             batches += false
             num_tails += false_tails
-        rank.zero(batches)
+        zeroed = rank.zero(batches)
         # Counted once the launch returned: a failed one zeroed nothing.
         rank.count_tails(num_tails)
-        return {b.owner for b in batches if b.lines}
+        return zeroed
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook

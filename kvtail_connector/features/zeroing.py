@@ -8,9 +8,11 @@ event (``start_load_kv``'s fence waits for it). It holds no per-request state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from itertools import compress
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 from kvtail_connector.ops.zero._step_zeroer import StepZeroer
-from kvtail_connector.ops.zero.plan import Line
+from kvtail_connector.ops.zero.plan import Line, packed_line, packed_lines
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot, tail_block
@@ -39,13 +41,43 @@ class RankPlacement:
     interleave: int = 1
 
 
-@dataclass(frozen=True)
-class Zeroing:
-    """Kernel work lines for one request, and the bytes they zero."""
+class Zeroing(NamedTuple):
+    """Kernel work lines for one request, and the bytes they zero (a tuple:
+    one per load, on the per-step path).
+
+    ``packed``, ``rows``, ``chunks``: the lines' work columns as the kernel's
+    buffer holds them and their largest row and chunk counts, where every line
+    is a tail (``packable``): a step's launch then joins bytes, whatever the
+    number of loads.
+    """
 
     owner: str
     lines: list[Line]
     nbytes: int
+    packed: bytes = b""
+    rows: int = 0
+    chunks: int = 0
+    packable: bool = True
+
+
+def _zeroing(owner: str, lines: list[Line], nbytes: int) -> Zeroing:
+    if not lines:
+        return Zeroing(owner, lines, nbytes)
+    if len(lines) == 1:  # the usual load: one cache set
+        line = lines[0]
+        if not line.item[2]:
+            return Zeroing(owner, lines, nbytes, packable=False)
+        return Zeroing(owner, lines, nbytes, packed_line(line), line.rows, line.chunks)
+    if not all(ln.item[2] for ln in lines):  # a whole block: line_work orders it first
+        return Zeroing(owner, lines, nbytes, packable=False)
+    return Zeroing(
+        owner,
+        lines,
+        nbytes,
+        packed_lines(lines),
+        max([ln.rows for ln in lines]),
+        max([ln.chunks for ln in lines]),
+    )
 
 
 @dataclass(frozen=True)
@@ -76,6 +108,9 @@ class RankZeroing:
         counts_requests: bool,
     ) -> None:
         self.groups = groups
+        # Per group, for the per-load paths (GroupInfo computes them).
+        self._block_tokens = tuple(g.effective_block for g in groups)
+        self._has_tails = tuple(g.has_tails for g in groups)
         self.placement = placement
         self.stats = stats
         self.probe = probe
@@ -149,18 +184,23 @@ class RankZeroing:
         lines = [ln for ln in (zeroer.line(*item) for item in items) if ln is not None]
         tail_bytes = self.tail_bytes
         nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
-        return Zeroing(owner, lines, nbytes)
+        return _zeroing(owner, lines, nbytes)
 
     def tail_zeroing(self, record: LoadRecord) -> Zeroing:
-        """``zeroing(record.req_id, tail_items(record))``, from facts kept per
-        (group, valid tokens): a record costs a few tuples, whatever the layers."""
-        zeroer = self.zeroer
-        if zeroer is None:
-            return Zeroing(record.req_id, [], 0)
+        """``zeroing(record.req_id, tail_items(record))``."""
+        return self.tail_work(record)[0]
+
+    def tail_work(self, record: LoadRecord) -> tuple[Zeroing, bool]:
+        """``(tail_zeroing(record), has_tail(record))`` in one pass, from facts
+        kept per (group, valid tokens): a record costs a few tuples, whatever
+        the layers."""
+        encode = self.zeroer is not None
         lines: list[Line] = []
         nbytes = 0
+        has_tail = False
+        block_tokens = self._block_tokens
         for load in record.groups:
-            k, n = divmod(record.num_loaded, self.groups[load.group].effective_block)
+            k, n = divmod(record.num_loaded, block_tokens[load.group])
             if not n:
                 continue
             idx = k - load.first_block
@@ -168,6 +208,9 @@ class RankZeroing:
                 continue
             block = load.block_ids[idx]
             if block == NULL_BLOCK:
+                continue
+            has_tail = has_tail or self._has_tails[load.group]
+            if not encode:
                 continue
             facts = self._tail_facts.get((load.group, n))
             if facts is None:
@@ -177,7 +220,7 @@ class RankZeroing:
                     Line((index, block, first), (block, first, start, count), count, chunks)
                 )
                 nbytes += size
-        return Zeroing(record.req_id, lines, nbytes)
+        return _zeroing(record.req_id, lines, nbytes), has_tail
 
     def _facts_of(self, group: int, n: int) -> list[tuple[int, int, tuple[int, int, int], int]]:
         zeroer = self.zeroer
@@ -249,29 +292,39 @@ class RankZeroing:
         return False
 
     def zero(
-        self, batches: list[Zeroing], counter: str = "tail_bytes_zeroed", *, probe: bool = True
-    ) -> None:
+        self,
+        batches: Sequence[Zeroing],
+        counter: str = "tail_bytes_zeroed",
+        *,
+        probe: bool = True,
+    ) -> set[str]:
         """One launch for every line of ``batches`` (probed first where the
-        probe is on and ``probe``); bytes counted once launched."""
+        probe is on and ``probe``); bytes counted once launched. Returns the
+        owners of the batches with lines (none where nothing is registered)."""
         zeroer = self.zeroer
-        if zeroer is None:
-            return
-        lines = [ln for b in batches for ln in b.lines]
-        if not lines:
-            return
+        if zeroer is None or not batches:
+            return set()
+        owners, lines, nbytes, packed, rows, chunks, packable = zip(*batches, strict=True)
+        n = sum(map(len, lines))
+        if not n:
+            return set()
+        flat: list[Line] | None = None
         if probe and self.probe:
+            flat = [ln for group in lines for ln in group]
             self.report_found(
                 probe_items(
                     self.sets,
-                    np.array([ln.item for b in batches for ln in b.lines], dtype=np.int64),
+                    np.array([ln.item for ln in flat], dtype=np.int64),
                     [b.owner for b in batches for _ in b.lines],
                 )
             )
-        zeroer.zero_lines(lines)
-        self.stats.add(counter, sum(b.nbytes for b in batches))  # launched
+        if not (all(packable) and zeroer.zero_packed(b"".join(packed), n, max(rows), max(chunks))):
+            zeroer.zero_lines(flat if flat is not None else [ln for g in lines for ln in g])
+        self.stats.add(counter, sum(nbytes))  # launched
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
         self.last_zeroing = zeroer.last_launch_done
-        logger.debug("kvtail: zeroed %d tail item(s) in one launch", len(lines))
+        logger.debug("kvtail: zeroed %d tail item(s) in one launch", n)
+        return set(compress(owners, lines))
 
     # ------------------------------------------------------------- counting
 

@@ -74,18 +74,15 @@ class ConsumerTailsWorker:
         # Without registered caches (profiling, sleep mode) the lines are
         # built at completion instead.
         encode = rank.zeroer is not None
+        work = rank.tail_work
         for record in loads:
             req_id = record.req_id
             special = record.vouched or record.expected is not None
             old = pending.get(req_id)
             if old is not None:  # a new load of a reused id
                 self._special -= old.special
-            pending[req_id] = Pending(
-                record,
-                rank.tail_zeroing(record) if encode else None,
-                rank.has_tail(record),
-                special,
-            )
+            tails, has_tail = work(record)
+            pending[req_id] = Pending(record, tails if encode else None, has_tail, special)
             self._special += special
             if self._abandoned:
                 self._abandoned.discard(req_id)

@@ -31,16 +31,19 @@ class LoadErrorLedger:
         # request -> the blocks its load in flight writes. A block is written by
         # one load in flight at a time (vLLM allocates it to one request), so
         # the owner of a reported id is found by search, only when ids are
-        # reported: tracking and releasing loads, every step, stay O(1).
-        self._blocks: dict[str, frozenset[int]] = {}
+        # reported: tracking and releasing loads, every step, stay O(1), and
+        # what a load writes is only enumerated then (a lazy collection).
+        self._blocks: dict[str, Iterable[int]] = {}
         self._invalid: dict[str, set[int]] = {}  # request -> its blocks reported invalid
         self._for_runner: set[int] = set()  # fetched early, not yet handed to the runner
 
     def track(self, req_id: str, blocks: Iterable[int]) -> None:
         """``req_id``'s load is in flight and writes ``blocks`` (replaces an
-        earlier load of the same request)."""
-        self._invalid.pop(req_id, None)
-        self._blocks[req_id] = frozenset(blocks)
+        earlier load of the same request). Kept as given and iterated each
+        time ids are reported: a collection, or a re-iterable view."""
+        if self._invalid:
+            self._invalid.pop(req_id, None)
+        self._blocks[req_id] = blocks
 
     def release(self, req_id: str) -> set[int]:
         """Forget ``req_id``'s load; return its blocks that were reported invalid."""
@@ -85,7 +88,7 @@ class LoadErrorLedger:
         if not errors:
             return
         for req_id, blocks in self._blocks.items():
-            hit = blocks.intersection(errors)
+            hit = errors.intersection(blocks)
             if hit:
                 self._invalid.setdefault(req_id, set()).update(hit)
 

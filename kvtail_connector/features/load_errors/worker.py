@@ -16,14 +16,30 @@ applies instead of a read of a tail nobody zeroed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.features.load_errors.ledger import LoadErrorLedger
 from kvtail_connector.features.zeroing import Item, RankZeroing
-from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
+
+
+class _Written:
+    """The non-null blocks a load writes, enumerated only when iterated (the
+    ledger does that only when the inner connector reports invalid ids)."""
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: tuple[GroupLoad, ...]) -> None:
+        self._groups = groups
+
+    def __iter__(self) -> Iterator[int]:
+        for load in self._groups:
+            for block in load.block_ids:
+                if block != NULL_BLOCK:
+                    yield block
 
 
 class LoadErrorsWorker:
@@ -39,10 +55,9 @@ class LoadErrorsWorker:
         """This step's async loads, tracked; ``failing``: loads the scheduler
         side lost the record of."""
         self._failing.update(failing)
+        track = self._ledger.track
         for record in loads:
-            self._ledger.track(
-                record.req_id, (b for g in record.groups for b in g.block_ids if b != NULL_BLOCK)
-            )
+            track(record.req_id, _Written(record.groups))
 
     def fail(self, req_ids: Iterable[str]) -> None:
         """Report these loads failed when they complete; forget their blocks."""
@@ -61,10 +76,10 @@ class LoadErrorsWorker:
     def has_invalid(self) -> bool:
         return self._ledger.has_invalid
 
-    def settle_clean(self, records: Iterable[LoadRecord]) -> None:
+    def settle_clean(self, req_ids: Iterable[str]) -> None:
         """Forget these completed loads, none with an invalid block
         (:attr:`has_invalid` is False)."""
-        self._ledger.release_clean(r.req_id for r in records)
+        self._ledger.release_clean(req_ids)
 
     def settle(self, record: LoadRecord) -> tuple[int, int] | None:
         """Forget the completed load ``record``; (group, index in its block

@@ -53,6 +53,7 @@ class ReadTailsWorker:
         self._by_layer: ReadTailsByLayer | None = None
         self._released: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
+        self._layer_bytes = 0  # launched layer by layer, counted once the layers are done
 
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
@@ -149,7 +150,7 @@ class ReadTailsWorker:
         for work in left:
             self._zero_layer(by_layer, work)
         by_layer.record_done()
-        self._rank.last_zeroing = by_layer.last_launch_done
+        self._flush_layers(by_layer)
 
     def _zero_layer(self, by_layer: ReadTailsByLayer, work: LayerWork) -> None:
         rank = self._rank
@@ -164,10 +165,19 @@ class ReadTailsWorker:
                 counts[0] += nonzero
                 counts[1] += nonfinite
         by_layer.zero(work)
-        rank.stats.add("tail_bytes_zeroed", by_layer.nbytes(work))  # launched
+        self._layer_bytes += by_layer.nbytes(work)  # launched
+        if not by_layer.pending:
+            # Every layer is done (its launch recorded the event): one count,
+            # and one probe report per request, as for other tails.
+            self._flush_layers(by_layer)
+
+    def _flush_layers(self, by_layer: ReadTailsByLayer) -> None:
+        rank = self._rank
         rank.last_zeroing = by_layer.last_launch_done
-        if self._layer_probe and not by_layer.pending:
-            # Every layer is done: one report per request, as for other tails.
+        if self._layer_bytes:
+            rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
+            self._layer_bytes = 0
+        if self._layer_probe:
             summed, self._layer_probe = self._layer_probe, {}
             rank.report_found({req: (c[0], c[1]) for req, c in summed.items()})
 
@@ -207,6 +217,9 @@ class ReadTailsWorker:
         self._layer_probe = {}
         if by_layer is None:
             return
+        if self._layer_bytes:  # launched before the failure
+            self._rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
+            self._layer_bytes = 0
         left = by_layer.owners_pending()
         by_layer.reset()
         if left:

@@ -44,6 +44,13 @@ class StagedGroups:
     spans: list[tuple[int, int] | None]  # per group: (offset, work units); None: nothing
     lines: list[list[Line]]  # per group, for the torch path (empty on Triton)
 
+    def __post_init__(self) -> None:
+        # Each group's work argument, made once: a launch per layer only enqueues.
+        base = self.base
+        self._works = [
+            None if base is None or span is None else work_at(base, span[0]) for span in self.spans
+        ]
+
     def has_work(self, k: int) -> bool:
         return self.spans[k] is not None
 
@@ -61,8 +68,7 @@ class StagedGroups:
         if self.base is None:
             self.zeroer.zero_lines(self.lines[k])
             return
-        offset, units = span
-        self.zeroer._launch_staged(work_at(self.base, offset), units, record_event)
+        self.zeroer._launch_staged(self._works[k], span[1], record_event)
 
 
 class StepZeroer(KVZeroer):
@@ -96,6 +102,14 @@ class StepZeroer(KVZeroer):
             return len(lines)
         self._launcher.run_lines(lines)
         return len(lines)
+
+    def zero_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> bool:
+        """Zero ``n_tail`` tail lines given packed (their work columns as the
+        kernel's buffer holds them, joined; their largest row and chunk
+        counts) with one graph replay; False, nothing launched, where no
+        graph slot holds them (the caller takes :meth:`zero_lines`)."""
+        launcher = self._launcher
+        return launcher is not None and launcher.run_packed(packed, n_tail, rows, chunks)
 
     def stage_groups(
         self, groups: Sequence[int], blocks_firsts: Sequence[tuple[int, int]]

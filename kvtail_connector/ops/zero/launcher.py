@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
-from kvtail_connector.ops.zero.plan import Line, fill_line_work, line_work
+from kvtail_connector.ops.zero.plan import Line, fill_line_work, fill_packed_work, line_work
 from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
 
 # ops must not import vLLM: a plain logger (vLLM's handler sees it when the
@@ -135,6 +135,9 @@ class _Compiled:
             work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, grid=(1,), **COLUMNS
         )
         self._constexprs = constexpr_args()
+        # grid -> the compiled kernel's launcher for it: indexing builds one
+        # (~1-2 µs) that reads the current stream at each call, so it is kept.
+        self._runners: dict[int, Any] = {}
         self._fast: Any = None
         try:
             compiled[(1, 1, 1)](work, rows, *self._constexprs)
@@ -147,10 +150,13 @@ class _Compiled:
         return self._fast is not None
 
     def __call__(self, grid: int, work: Any, rows: torch.Tensor) -> None:
-        if self._fast is not None:
-            self._fast[(grid, 1, 1)](work, rows, *self._constexprs)
-        else:
+        if self._fast is None:
             launch_jit(grid, _as_tensor(work), rows)
+            return
+        runner = self._runners.get(grid)
+        if runner is None:
+            runner = self._runners[grid] = self._fast[(grid, 1, 1)]
+        runner(work, rows, *self._constexprs)
 
 
 class KernelLauncher:
@@ -245,6 +251,18 @@ class KernelLauncher:
             return
         work, units = line_work(lines)
         self.launch_staged(self.stage(work), units)
+
+    def run_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> bool:
+        """Replay ``n_tail`` packed tail lines (``plan.fill_packed_work``) from a
+        graph slot; False (nothing launched) where no slot holds them."""
+        if self._use_graphs and self._graphs is None:
+            self.warmup()
+        graphs = self._graphs
+        if graphs is None or HEADER_WORDS + ITEM_COLS * n_tail > graphs.entries:
+            return False
+        fill_packed_work(graphs.next_buffer(), packed, n_tail, rows, chunks)
+        self.last_done = graphs.replay()
+        return True
 
     def run(self, work: np.ndarray, units: int) -> None:
         """Zero what ``work`` describes: a graph replay if it fits, else stage + launch."""

@@ -9,6 +9,7 @@ groups at once, and the row table from rows; it touches no device.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -163,6 +164,34 @@ def fill_line_work(buf: np.ndarray, lines: Sequence[Line]) -> int:
         end = HEADER_WORDS + ITEM_COLS * n
         buf[HEADER_WORDS:end] = list(itertools.chain.from_iterable([ln.work for ln in lines]))
     header, units = work_header(0, 0, 0, n, rows, chunks)
+    buf[:HEADER_WORDS] = header
+    return units
+
+
+# One WorkItem line as the kernel's int64 work buffer holds it (native order).
+_ITEM = struct.Struct(f"={ITEM_COLS}q")
+
+
+def packed_line(line: Line) -> bytes:
+    """:func:`packed_lines` of one line."""
+    return _ITEM.pack(*line.work)
+
+
+def packed_lines(lines: Sequence[Line]) -> bytes:
+    """The :class:`WorkItem` columns of ``lines`` as the work buffer holds
+    them, for :func:`fill_packed_work` (built per load, where it arrives)."""
+    return b"".join([_ITEM.pack(*ln.work) for ln in lines])
+
+
+def fill_packed_work(buf: np.ndarray, packed: bytes, n_tail: int, rows: int, chunks: int) -> int:
+    """The work buffer of ``n_tail`` tail lines (no whole block) whose columns
+    are ``packed`` (:func:`packed_lines`, joined) and whose largest row and
+    chunk counts are ``rows`` and ``chunks``, written into ``buf``; returns the
+    work units. What :func:`line_work` builds for the same lines, without
+    touching a line in Python."""
+    header, units = work_header(0, 0, 0, n_tail, rows, chunks)
+    start = HEADER_WORDS * 8
+    buf.view(np.uint8)[start : start + len(packed)] = np.frombuffer(packed, dtype=np.uint8)
     buf[:HEADER_WORDS] = header
     return units
 
