@@ -179,12 +179,16 @@ def read_tail_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[
 
 
 def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
-    """A producer's added cost per step: bind its prompt-tail records, zero
-    them in the hook (one launch), build the worker metadata."""
+    """A producer's added cost per step: bind its prompt-tail records (where
+    they are encoded), zero them in the hook (one launch), build the worker
+    metadata; each timed alone, and the three together."""
     worker = build_worker(layers, num_blocks)
     rows = []
     for n in (1, 16):
         meta = KVTailMetadata(inner=None, producer_tails=producer_records(n, num_blocks))  # type: ignore[arg-type]
+
+        def bind(meta=meta):
+            worker.bind(meta)
 
         def step(meta=meta):
             worker.bind(meta)
@@ -192,9 +196,22 @@ def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[d
             worker.worker_meta(None)
 
         step()
+        bind_us = host_time(bind, reps, before=lambda: worker.worker_meta(None))
+        hook_us = host_time(worker.produce, reps, before=bind)
+        meta_us = host_time(lambda: worker.worker_meta(None), reps, before=step)
         host = host_time(step, reps)
         dev = sorted(device_us(step) for _ in range(21))[10]
-        rows.append(dict(prompts=n, layers=layers, host_us=host, device_us=dev))
+        rows.append(
+            dict(
+                prompts=n,
+                layers=layers,
+                host_us=host,
+                bind_us=bind_us,
+                hook_us=hook_us,
+                meta_us=meta_us,
+                device_us=dev,
+            )
+        )
     return rows
 
 
@@ -365,13 +382,17 @@ def main() -> int:
     producer = producer_rows(max(args.reps // 3, 50))
     print()
     print("Producer: prompt tails zeroed in the step that completes them, 80 layers")
-    print("(host: bind + the hook + worker metadata; device: queued behind a sleep)")
-    print("| prompts completing | host µs | / bare launch | device µs |")
-    print("|---:|---:|---:|---:|")
+    print("(host: bind, the hook, the worker metadata, and the three; device: behind a sleep)")
+    print(
+        "| prompts completing | bind µs | hook µs | hook / bare launch | worker meta µs "
+        "| all µs | all / bare launch | device µs |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in producer:
         print(
-            f"| {r['prompts']} | {r['host_us']:.1f} | {r['host_us'] / bare:.2f} | "
-            f"{r['device_us']:.1f} |"
+            f"| {r['prompts']} | {r['bind_us']:.1f} | {r['hook_us']:.1f} | "
+            f"{r['hook_us'] / bare:.2f} | {r['meta_us']:.1f} | {r['host_us']:.1f} | "
+            f"{r['host_us'] / bare:.2f} | {r['device_us']:.1f} |"
         )
     digest = digest_rows(max(args.reps // 10, 20))
     print()

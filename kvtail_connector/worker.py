@@ -34,7 +34,6 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -55,8 +54,6 @@ from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
-
-_REQ_ID = operator.attrgetter("req_id")
 
 
 class TailWorker:
@@ -92,8 +89,8 @@ class TailWorker:
         self._rank = RankZeroing(
             groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
-        self._errors = LoadErrorsWorker(self._rank)
         self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
+        self._errors = LoadErrorsWorker(self._rank, self._tails.in_flight)
         self._claims = (
             ClaimsWorker(self._rank) if policy.vouches_for_tails or policy.checks_claims else None
         )
@@ -312,7 +309,6 @@ class TailWorker:
             batches = tuple(
                 b or rank.tail_zeroing(r) for b, r in zip(batches, records, strict=True)
             )
-        errors.settle_clean(map(_REQ_ID, records))
         zeroed = rank.zero(batches)
         # Counted once the launch returned: a failed one zeroed nothing.
         rank.count_tails(sum(has_tails))

@@ -119,7 +119,7 @@ def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):
         loads=(LoadRecord("async", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),),
         read_loads=(LoadRecord("read", 0, 21, (GroupLoad(0, 0, (3, 4)),)),),
     )
-    _inject_once(monkeypatch, worker._errors._ledger, "track")
+    _inject_once(monkeypatch, worker._tails, "bind")
     try:
         worker.bind(meta)
     except Exception as exc:

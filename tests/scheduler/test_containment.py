@@ -270,8 +270,7 @@ def test_the_ledger_keeps_fetched_ids_for_the_runner_when_attributing_fails():
             return out
 
     inner = Inner()
-    ledger = LoadErrorLedger()
-    ledger.track("a", {1, 2})
+    ledger = LoadErrorLedger(lambda: [("a", {1, 2})])
     inner.ids = {2, 9}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ledger, "_attribute", _raise)

@@ -26,7 +26,7 @@ that orders after the zeroing:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Set
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvtail_connector.features.consumer_tails.hold import CompletionHold
 from kvtail_connector.features.zeroing import RankZeroing, Zeroing
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import LoadRecord
+from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 
 logger = get_logger(__name__)
 
@@ -50,6 +50,13 @@ class Pending(NamedTuple):
 
     def zeroing(self, rank: RankZeroing) -> Zeroing:
         return self.tails or rank.tail_zeroing(self.record)
+
+
+def _written(record: LoadRecord) -> Iterator[int]:
+    for load in record.groups:
+        for block in load.block_ids:
+            if block != NULL_BLOCK:
+                yield block
 
 
 class ConsumerTailsWorker:
@@ -95,6 +102,12 @@ class ConsumerTailsWorker:
                 self._special -= old.special
             self._abandoned.discard(req_id)
 
+    def in_flight(self) -> Iterator[tuple[str, Iterator[int]]]:
+        """Each load in flight and the non-null blocks it writes (for the
+        load-error ledger, which searches them only when ids are reported)."""
+        for req_id, pending in self._loads.items():
+            yield req_id, _written(pending.record)
+
     @property
     def loading(self) -> bool:
         return bool(self._loads)
@@ -108,7 +121,11 @@ class ConsumerTailsWorker:
         """The tracked loads among ``finished_recving``, forgotten here, and
         whether any of them is ``special``."""
         loads = self._loads
-        done = [loads.pop(req) for req in finished_recving if req in loads]
+        if isinstance(finished_recving, Set) and loads.keys() >= finished_recving:
+            # The usual pass: every completion is a load of ours.
+            done = list(map(loads.pop, finished_recving))
+        else:
+            done = [loads.pop(req) for req in finished_recving if req in loads]
         special = 0
         if self._special:
             special = sum([p.special for p in done])

@@ -12,54 +12,49 @@ tracked load holds, and forgets a load's ids with the load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtail_connector.containment import mark_inner
 
+# request id -> the blocks its load in flight writes (iterated only when ids
+# are reported).
+InFlight = Callable[[], Iterable[tuple[str, Iterable[int]]]]
+
 
 class LoadErrorLedger:
-    """Which tracked load holds which block, and the blocks reported invalid.
+    """The blocks reported invalid, by the load in flight that holds each.
 
     The worker fetches the inner connector's errors early, inside
     ``get_transfer_results`` (a load completing in that pass needs them to
     decide between zeroing its tail and treating it as failed), and hands the
     same ids to the model runner when it asks right after.
+
+    Args:
+        in_flight: the loads in flight and their blocks, as the consumer-tails
+            part holds them (the ledger keeps no copy: tracking and releasing a
+            load cost nothing here; the search runs only when ids are reported).
+            A block is written by one load in flight at a time (vLLM allocates
+            it to one request), so an id has at most one owner.
     """
 
-    def __init__(self) -> None:
-        # request -> the blocks its load in flight writes. A block is written by
-        # one load in flight at a time (vLLM allocates it to one request), so
-        # the owner of a reported id is found by search, only when ids are
-        # reported: tracking and releasing loads, every step, stay O(1), and
-        # what a load writes is only enumerated then (a lazy collection).
-        self._blocks: dict[str, Iterable[int]] = {}
+    def __init__(self, in_flight: InFlight) -> None:
+        self._in_flight = in_flight
         self._invalid: dict[str, set[int]] = {}  # request -> its blocks reported invalid
         self._for_runner: set[int] = set()  # fetched early, not yet handed to the runner
 
-    def track(self, req_id: str, blocks: Iterable[int]) -> None:
-        """``req_id``'s load is in flight and writes ``blocks`` (replaces an
-        earlier load of the same request). Kept as given and iterated each
-        time ids are reported: a collection, or a re-iterable view."""
+    def new_load(self, req_id: str) -> None:
+        """A new load of ``req_id`` started: ids reported for an earlier one are not its own."""
         if self._invalid:
             self._invalid.pop(req_id, None)
-        self._blocks[req_id] = blocks
 
     def release(self, req_id: str) -> set[int]:
         """Forget ``req_id``'s load; return its blocks that were reported invalid."""
-        self._blocks.pop(req_id, None)
-        return self._invalid.pop(req_id, set())
-
-    def release_clean(self, req_ids: Iterable[str]) -> None:
-        """Forget loads none of whose blocks was reported invalid (the caller
-        checked :attr:`has_invalid` is False)."""
-        blocks = self._blocks
-        for req_id in req_ids:
-            blocks.pop(req_id, None)
+        return self._invalid.pop(req_id, set()) if self._invalid else set()
 
     @property
     def has_invalid(self) -> bool:
-        """Some tracked load holds a block reported invalid."""
+        """Some load holds a block reported invalid."""
         return bool(self._invalid)
 
     def fetch(self, inner: Any) -> None:
@@ -87,7 +82,7 @@ class LoadErrorLedger:
     def _attribute(self, errors: set[int]) -> None:
         if not errors:
             return
-        for req_id, blocks in self._blocks.items():
+        for req_id, blocks in self._in_flight():
             hit = errors.intersection(blocks)
             if hit:
                 self._invalid.setdefault(req_id, set()).update(hit)
@@ -95,7 +90,7 @@ class LoadErrorLedger:
     @property
     def num_tracked(self) -> int:
         """Entries held (0 when idle and the runner has collected every id)."""
-        return len(self._blocks) + len(self._invalid) + len(self._for_runner)
+        return len(self._invalid) + len(self._for_runner)
 
 
 def _ask(inner: Any) -> set[int]:

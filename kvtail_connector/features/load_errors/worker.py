@@ -16,48 +16,34 @@ applies instead of a read of a tail nobody zeroed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.features.load_errors.ledger import LoadErrorLedger
+from kvtail_connector.features.load_errors.ledger import InFlight, LoadErrorLedger
 from kvtail_connector.features.zeroing import Item, RankZeroing
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
-
-
-class _Written:
-    """The non-null blocks a load writes, enumerated only when iterated (the
-    ledger does that only when the inner connector reports invalid ids)."""
-
-    __slots__ = ("_groups",)
-
-    def __init__(self, groups: tuple[GroupLoad, ...]) -> None:
-        self._groups = groups
-
-    def __iter__(self) -> Iterator[int]:
-        for load in self._groups:
-            for block in load.block_ids:
-                if block != NULL_BLOCK:
-                    yield block
+from kvtail_connector.metadata import LoadRecord
 
 
 class LoadErrorsWorker:
     """The ledger of invalid blocks and the loads to report failed."""
 
-    def __init__(self, rank: RankZeroing) -> None:
+    def __init__(self, rank: RankZeroing, in_flight: InFlight) -> None:
         self._rank = rank
-        self._ledger = LoadErrorLedger()
+        self._ledger = LoadErrorLedger(in_flight)
         # Loads to report failed when they complete.
         self._failing: set[str] = set()
 
     def bind(self, loads: Iterable[LoadRecord], failing: Iterable[str]) -> None:
         """This step's async loads, tracked; ``failing``: loads the scheduler
         side lost the record of."""
-        self._failing.update(failing)
-        track = self._ledger.track
-        for record in loads:
-            track(record.req_id, _Written(record.groups))
+        if failing:
+            self._failing.update(failing)
+        ledger = self._ledger
+        if ledger.has_invalid:
+            for record in loads:
+                ledger.new_load(record.req_id)
 
     def fail(self, req_ids: Iterable[str]) -> None:
         """Report these loads failed when they complete; forget their blocks."""
@@ -75,11 +61,6 @@ class LoadErrorsWorker:
     @property
     def has_invalid(self) -> bool:
         return self._ledger.has_invalid
-
-    def settle_clean(self, req_ids: Iterable[str]) -> None:
-        """Forget these completed loads, none with an invalid block
-        (:attr:`has_invalid` is False)."""
-        self._ledger.release_clean(req_ids)
 
     def settle(self, record: LoadRecord) -> tuple[int, int] | None:
         """Forget the completed load ``record``; (group, index in its block

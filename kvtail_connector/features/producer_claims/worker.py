@@ -27,12 +27,18 @@ from kvtail_connector.probe import probe_items
 logger = get_logger(__name__)
 
 
+def _later(_record: LoadRecord) -> None:
+    return None
+
+
 class ClaimsWorker:
     """This step's producer tails, those zeroed, and false claims found."""
 
     def __init__(self, rank: RankZeroing) -> None:
         self._rank = rank
-        self._producer_tails: list[LoadRecord] = []
+        # This step's prompt tails, encoded as they arrive (the hook launches);
+        # None where no caches were registered then (encoded in the hook).
+        self._producer_tails: list[tuple[LoadRecord, Zeroing | None]] = []
         self._zeroed: list[str] = []
         # Requests whose vouched tail the probe found non-zero, on their way
         # to this step's worker metadata.
@@ -41,20 +47,23 @@ class ClaimsWorker:
     # -------------------------------------------------------------- producer
 
     def bind(self, producer_tails: Iterable[LoadRecord]) -> None:
-        self._producer_tails.extend(producer_tails)
+        if producer_tails:
+            rank = self._rank
+            encode = rank.tail_zeroing if rank.zeroer is not None else _later
+            self._producer_tails.extend((r, encode(r)) for r in producer_tails)
 
     def zero_producer_tails(self) -> None:
         """Zero the slots past each completing prompt in its last block, on the
         current stream; each request zeroed is confirmed in this step's worker
         metadata. Without registered caches (sleep mode) nothing is zeroed and
         nothing confirmed."""
-        records, self._producer_tails = self._producer_tails, []
+        tails, self._producer_tails = self._producer_tails, []
         rank = self._rank
-        if records and rank.zeroer is not None:
-            batches = [rank.tail_zeroing(r) for r in records]
+        if tails and rank.zeroer is not None:
+            batches = [z if z is not None else rank.tail_zeroing(r) for r, z in tails]
             # Not probed: the counters say what consumers received.
             rank.zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
-            self._zeroed.extend(r.req_id for r in records)
+            self._zeroed.extend(b.owner for b in batches)
 
     def take_zeroed(self) -> list[str]:
         """The requests zeroed since the last call (for the worker metadata);
@@ -132,7 +141,7 @@ class ClaimsWorker:
         return false
 
     def held(self) -> set[str]:
-        return {r.req_id for r in self._producer_tails}
+        return {r.req_id for r, _ in self._producer_tails}
 
     @property
     def num_tracked(self) -> int:
