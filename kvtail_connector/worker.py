@@ -290,11 +290,13 @@ class TailWorker:
         if not tails.loading:
             return set()
         errors.fetch(inner)
-        done, special = tails.completed(finished_recving)
+        done = tails.completed(finished_recving)
         if not done:
             return set()
+        # One transposition of the step's loads (C-level, whatever their number).
+        records, batches, has_tails, specials = zip(*done, strict=True)
         if (
-            special
+            any(specials)
             or failed_recving
             or errors.has_invalid
             or tails.any_abandoned
@@ -304,7 +306,6 @@ class TailWorker:
             return self._complete_each(done, set(failed_recving))
         # The usual step: every load completed clean, with nothing but its
         # tail to zero (what _complete_each does for such loads, in bulk).
-        records, batches, has_tails, _ = zip(*done, strict=True)
         if None in batches:  # bound before the caches were registered
             batches = tuple(
                 b or rank.tail_zeroing(r) for b, r in zip(batches, records, strict=True)

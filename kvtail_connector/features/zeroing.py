@@ -46,9 +46,9 @@ class Zeroing(NamedTuple):
     one per load, on the per-step path).
 
     ``packed``, ``rows``, ``chunks``: the lines' work columns as the kernel's
-    buffer holds them and their largest row and chunk counts, where every line
-    is a tail (``packable``): a step's launch then joins bytes, whatever the
-    number of loads.
+    buffer holds them and their largest row and chunk counts, set together
+    with ``packable`` (by :func:`_zeroing` only) where every line is a tail: a
+    step's launch then joins bytes, whatever the number of loads.
     """
 
     owner: str
@@ -57,19 +57,19 @@ class Zeroing(NamedTuple):
     packed: bytes = b""
     rows: int = 0
     chunks: int = 0
-    packable: bool = True
+    packable: bool = False
 
 
 def _zeroing(owner: str, lines: list[Line], nbytes: int) -> Zeroing:
-    if not lines:
-        return Zeroing(owner, lines, nbytes)
+    if not lines:  # nothing to launch: joins as no bytes
+        return Zeroing(owner, lines, nbytes, packable=True)
     if len(lines) == 1:  # the usual load: one cache set
         line = lines[0]
         if not line.item[2]:
-            return Zeroing(owner, lines, nbytes, packable=False)
-        return Zeroing(owner, lines, nbytes, packed_line(line), line.rows, line.chunks)
+            return Zeroing(owner, lines, nbytes)
+        return Zeroing(owner, lines, nbytes, packed_line(line), line.rows, line.chunks, True)
     if not all(ln.item[2] for ln in lines):  # a whole block: line_work orders it first
-        return Zeroing(owner, lines, nbytes, packable=False)
+        return Zeroing(owner, lines, nbytes)
     return Zeroing(
         owner,
         lines,
@@ -77,6 +77,7 @@ def _zeroing(owner: str, lines: list[Line], nbytes: int) -> Zeroing:
         packed_lines(lines),
         max([ln.rows for ln in lines]),
         max([ln.chunks for ln in lines]),
+        True,
     )
 
 

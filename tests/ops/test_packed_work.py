@@ -87,3 +87,14 @@ def test_graph_slot_paths_zero_exactly_what_the_reference_does(path):
         reference_zero_kv_blocks(rebase(backing.views, expected), tails=tails)
     torch.cuda.synchronize()
     assert torch.equal(dev.raw.cpu(), expected)
+
+
+def test_packed_bytes_must_cover_every_line_the_header_counts():
+    # A slot's buffer keeps an older step's lines past what is written: a
+    # header counting more lines than the bytes hold would replay them.
+    rng = random.Random(3)
+    old, fresh = _lines(rng, 2, False), _lines(rng, 1, False)
+    buf = np.zeros(HEADER_WORDS + ITEM_COLS * 4, dtype=np.int64)
+    fill_packed_work(buf, packed_lines(old), 2, 8, 4)
+    with pytest.raises(ValueError, match="packed"):
+        fill_packed_work(buf, packed_lines(fresh), 2, 8, 4)

@@ -22,6 +22,7 @@ from kvtail_connector.containment import Containment
 from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
+from kvtail_connector.stats import KVTailStats
 from tests.helpers.lifecycle import Harness
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker
@@ -318,3 +319,31 @@ def test_device_errors_are_told_from_others():
     assert not is_device_error(RuntimeError("injected"))
     assert not is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
     assert not is_device_error(ValueError("CUDA error: not a RuntimeError"))
+
+
+def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
+    # A new load of a reused id fails to bind (contained), then a vouched load
+    # completes: it is still taken one by one (its claim counted, its tail not
+    # zeroed), never in bulk as an ordinary load.
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    stats = KVTailStats()
+    worker = make_tail_worker(kv, checks_claims=True, trusts_load_claims=True, stats=stats)
+    worker.register_kv_caches(allocate(kv).views, kv)
+
+    def load(req_id: str, blocks: tuple[int, ...], vouched: bool) -> KVTailMetadata:
+        record = LoadRecord(req_id, 0, 37, (GroupLoad(0, 0, blocks),), vouched=vouched)
+        return KVTailMetadata(inner=None, loads=(record,))  # type: ignore[arg-type]
+
+    worker.bind(load("a", (5, 2, 7), vouched=True))
+    again = load("a", (1, 3, 4), vouched=False)
+    _inject_once(monkeypatch, worker._rank, "tail_work")
+    try:
+        worker.bind(again)
+    except Exception as exc:
+        _guard(worker).failed(
+            exc, "bind_connector_metadata", (), lambda: worker.contain_bind(again)
+        )
+    worker.bind(load("b", (6, 0, 2), vouched=True))
+    results = KVConnectorTransferResults(finished_recving={"b"}, failed_recving=set())
+    worker.transfer_results(results, set(), ErrorSource())
+    assert stats["vouched_tails"] == 1 and stats["tails_zeroed"] == 0

@@ -71,7 +71,6 @@ class ConsumerTailsWorker:
     def __init__(self, rank: RankZeroing, *, holds_completions: bool) -> None:
         self._rank = rank
         self._loads: dict[str, Pending] = {}
-        self._special = 0  # loads in _loads with Pending.special
         # Loads in flight whose request vLLM has already finished (aborted).
         self._abandoned: set[str] = set()
         self._hold = CompletionHold() if holds_completions else None
@@ -84,22 +83,17 @@ class ConsumerTailsWorker:
         work = rank.tail_work
         for record in loads:
             req_id = record.req_id
-            special = record.vouched or record.expected is not None
-            old = pending.get(req_id)
-            if old is not None:  # a new load of a reused id
-                self._special -= old.special
             tails, has_tail = work(record)
+            special = record.vouched or record.expected is not None
+            # A new load of a reused id replaces the old one.
             pending[req_id] = Pending(record, tails if encode else None, has_tail, special)
-            self._special += special
             if self._abandoned:
                 self._abandoned.discard(req_id)
 
     def drop(self, req_ids: Iterable[str]) -> None:
         """Forget these loads (their record is lost: reported failed instead)."""
         for req_id in req_ids:
-            old = self._loads.pop(req_id, None)
-            if old is not None:
-                self._special -= old.special
+            self._loads.pop(req_id, None)
             self._abandoned.discard(req_id)
 
     def in_flight(self) -> Iterator[tuple[str, Iterator[int]]]:
@@ -117,20 +111,15 @@ class ConsumerTailsWorker:
         if self._loads and finished_req_ids:
             self._abandoned.update(r for r in finished_req_ids if r in self._loads)
 
-    def completed(self, finished_recving: Iterable[str]) -> tuple[list[Pending], bool]:
-        """The tracked loads among ``finished_recving``, forgotten here, and
-        whether any of them is ``special``."""
+    def completed(self, finished_recving: Iterable[str]) -> list[Pending]:
+        """The tracked loads among ``finished_recving``, forgotten here."""
         loads = self._loads
         if isinstance(finished_recving, Set) and loads.keys() >= finished_recving:
             # The usual pass: every completion is a load of ours.
             done = list(map(loads.pop, finished_recving))
         else:
             done = [loads.pop(req) for req in finished_recving if req in loads]
-        special = 0
-        if self._special:
-            special = sum([p.special for p in done])
-            self._special -= special
-        return done, special > 0
+        return done
 
     @property
     def any_abandoned(self) -> bool:

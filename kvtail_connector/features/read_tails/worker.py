@@ -54,6 +54,7 @@ class ReadTailsWorker:
         self._released: ReadTailsByLayer | None = None
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         self._layer_bytes = 0  # launched layer by layer, counted once the layers are done
+        self._layers_launched = False  # this step: by_layer's event is the latest zeroing
 
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
@@ -165,6 +166,7 @@ class ReadTailsWorker:
                 counts[0] += nonzero
                 counts[1] += nonfinite
         by_layer.zero(work)
+        self._layers_launched = True
         self._layer_bytes += by_layer.nbytes(work)  # launched
         if not by_layer.pending:
             # Every layer is done (its launch recorded the event): one count,
@@ -173,7 +175,12 @@ class ReadTailsWorker:
 
     def _flush_layers(self, by_layer: ReadTailsByLayer) -> None:
         rank = self._rank
-        rank.last_zeroing = by_layer.last_launch_done
+        if self._layers_launched:
+            # Recorded behind this step's last layer launch (or record_done):
+            # later on the stream than any earlier zeroing. Otherwise it is an
+            # older step's event, and the rank's own stays the latest.
+            rank.last_zeroing = by_layer.last_launch_done
+            self._layers_launched = False
         if self._layer_bytes:
             rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
             self._layer_bytes = 0
@@ -215,6 +222,7 @@ class ReadTailsWorker:
         in a later step, over KV written since); the ERROR names its requests."""
         by_layer = self._by_layer
         self._layer_probe = {}
+        self._layers_launched = False
         if by_layer is None:
             return
         if self._layer_bytes:  # launched before the failure

@@ -189,8 +189,12 @@ def fill_packed_work(buf: np.ndarray, packed: bytes, n_tail: int, rows: int, chu
     chunk counts are ``rows`` and ``chunks``, written into ``buf``; returns the
     work units. What :func:`line_work` builds for the same lines, without
     touching a line in Python."""
-    header, units = work_header(0, 0, 0, n_tail, rows, chunks)
     start = HEADER_WORDS * 8
+    if len(packed) != n_tail * ITEM_COLS * 8:
+        # The slot still holds an older step's lines past what is written:
+        # a header counting them would zero other requests' slots.
+        raise ValueError(f"packed: {len(packed)} bytes for {n_tail} work lines")
+    header, units = work_header(0, 0, 0, n_tail, rows, chunks)
     buf.view(np.uint8)[start : start + len(packed)] = np.frombuffer(packed, dtype=np.uint8)
     buf[:HEADER_WORDS] = header
     return units
