@@ -79,6 +79,7 @@ class _Slot:
     graph: torch.cuda.CUDAGraph
     done: torch.cuda.Event  # recorded behind the slot's last replay
     recorded_by_graph: bool  # the graph records ``done`` itself (an event node)
+    host_bytes: memoryview  # host_np's bytes (written without numpy)
 
 
 def _graph_event() -> torch.cuda.Event | None:
@@ -123,7 +124,10 @@ class GraphSlots:
             if done is None:
                 done = torch.cuda.Event()
                 done.record()
-            self._slots.append(_Slot(host, host.numpy(), dev, graph, done, in_graph))
+            host_np = host.numpy()
+            self._slots.append(
+                _Slot(host, host_np, dev, graph, done, in_graph, host_np.data.cast("B"))
+            )
 
     def run(self, table: np.ndarray) -> torch.cuda.Event:
         """Copy ``table`` (at most ``entries`` int64) into a free slot and replay it.
@@ -140,6 +144,13 @@ class GraphSlots:
         if not slot.done.query():
             slot.done.synchronize()
         return slot.host_np
+
+    def next_bytes(self) -> memoryview:
+        """:meth:`next_buffer`'s bytes."""
+        slot = self._slots[self._next]
+        if not slot.done.query():
+            slot.done.synchronize()
+        return slot.host_bytes
 
     def replay(self) -> torch.cuda.Event:
         """Replay the slot :meth:`next_buffer` handed out (copy, launch);

@@ -56,7 +56,7 @@ def test_filled_buffers_equal_line_work(n, whole):
         packed = b"".join(packed_lines(p) for p in parts)
         junk[:] = -7
         rows, chunks = max(ln.rows for ln in lines), max(ln.chunks for ln in lines)
-        assert fill_packed_work(junk, packed, n, rows, chunks) == units
+        assert fill_packed_work(junk.data.cast("B"), packed, n, rows, chunks) == units
         assert np.array_equal(junk[: work.size], work)
 
 
@@ -95,6 +95,6 @@ def test_packed_bytes_must_cover_every_line_the_header_counts():
     rng = random.Random(3)
     old, fresh = _lines(rng, 2, False), _lines(rng, 1, False)
     buf = np.zeros(HEADER_WORDS + ITEM_COLS * 4, dtype=np.int64)
-    fill_packed_work(buf, packed_lines(old), 2, 8, 4)
+    fill_packed_work(buf.data.cast("B"), packed_lines(old), 2, 8, 4)
     with pytest.raises(ValueError, match="packed"):
-        fill_packed_work(buf, packed_lines(fresh), 2, 8, 4)
+        fill_packed_work(buf.data.cast("B"), packed_lines(fresh), 2, 8, 4)

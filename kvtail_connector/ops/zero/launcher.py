@@ -260,7 +260,7 @@ class KernelLauncher:
         graphs = self._graphs
         if graphs is None or HEADER_WORDS + ITEM_COLS * n_tail > graphs.entries:
             return False
-        fill_packed_work(graphs.next_buffer(), packed, n_tail, rows, chunks)
+        fill_packed_work(graphs.next_bytes(), packed, n_tail, rows, chunks)
         self.last_done = graphs.replay()
         return True
 

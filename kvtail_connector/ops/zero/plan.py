@@ -8,6 +8,7 @@ groups at once, and the row table from rows; it touches no device.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
 from collections.abc import Sequence
@@ -183,21 +184,29 @@ def packed_lines(lines: Sequence[Line]) -> bytes:
     return b"".join([_ITEM.pack(*ln.work) for ln in lines])
 
 
-def fill_packed_work(buf: np.ndarray, packed: bytes, n_tail: int, rows: int, chunks: int) -> int:
+def fill_packed_work(buf: memoryview, packed: bytes, n_tail: int, rows: int, chunks: int) -> int:
     """The work buffer of ``n_tail`` tail lines (no whole block) whose columns
     are ``packed`` (:func:`packed_lines`, joined) and whose largest row and
-    chunk counts are ``rows`` and ``chunks``, written into ``buf``; returns the
-    work units. What :func:`line_work` builds for the same lines, without
-    touching a line in Python."""
+    chunk counts are ``rows`` and ``chunks``, written into ``buf`` (the bytes
+    of an int64 buffer); returns the work units. What :func:`line_work` builds
+    for the same lines, in two byte copies."""
     start = HEADER_WORDS * 8
     if len(packed) != n_tail * ITEM_COLS * 8:
         # The slot still holds an older step's lines past what is written:
         # a header counting them would zero other requests' slots.
         raise ValueError(f"packed: {len(packed)} bytes for {n_tail} work lines")
-    header, units = work_header(0, 0, 0, n_tail, rows, chunks)
-    buf.view(np.uint8)[start : start + len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-    buf[:HEADER_WORDS] = header
+    header, units = _tail_header(n_tail, rows, chunks)
+    buf[start : start + len(packed)] = packed
+    buf[:start] = header
     return units
+
+
+@functools.lru_cache(maxsize=4096)
+def _tail_header(n_tail: int, rows: int, chunks: int) -> tuple[bytes, int]:
+    """The packed work header of tail lines only, and its work units (a step
+    repeats the few shapes of the last ones)."""
+    header, units = work_header(0, 0, 0, n_tail, rows, chunks)
+    return struct.pack(f"={HEADER_WORDS}q", *header), units
 
 
 def encoded_work(encoded: Encoded) -> tuple[np.ndarray, int]:
