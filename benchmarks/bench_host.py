@@ -397,16 +397,17 @@ def _bench_load_length(wrapper: Any, bare: Any) -> dict[str, Any]:
             req = SimpleNamespace(request_id=f"L{tokens}_{i}", kv_transfer_params={})
             for name, conn in (("wrapper", wrapper), ("bare", bare))[:: 1 if i % 2 else -1]:
                 if name == "wrapper":
-                    ts._matched[req.request_id] = (0, True)
+                    ts.matched(req, 0, tokens, True)
                 t0 = pc()
                 conn.update_state_after_alloc(req, blocks, tokens)
                 times[name].append(pc() - t0)
                 inner = conn.inner if name == "wrapper" else conn
                 inner._forget(req.request_id)
                 inner.calls.clear()
-        if len(ts._pending) != reps:
-            raise RuntimeError(f"expected {reps} records, got {len(ts._pending)}")
-        ts._pending.clear()
+        pending = ts._tails.pending  # the consumer-tails part's records of this step
+        if len(pending) != reps:
+            raise RuntimeError(f"expected {reps} records, got {len(pending)}")
+        ts._tails.clear()
         st = _pair_stats(times["wrapper"], times["bare"])
         st["blocks"] = nblocks
         st["added_us_per_block"] = st["added_us"] / nblocks
@@ -513,17 +514,17 @@ def _time_fn(fn: Callable[[], Any], reps: int) -> list[int]:
 def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str, float]]:
     """The wrapper's host work for N_TAILS loads, piece by piece, same inputs.
 
-    Pieces are private helpers of ``TailWorker`` / ``StepZeroer``; a piece whose
-    helper is gone (the code moved on) is left out rather than guessed.
+    Pieces are helpers of the worker's shared ``RankZeroing`` and ``StepZeroer``.
     """
     from kvtail_connector.tails import first_stale_slot
 
-    tw = pair.tail_worker
-    zeroer = tw._zeroer
+    rank = pair.tail_worker._rank
+    zeroer = rank.zeroer
+    assert zeroer is not None
     records = list(meta_w.loads)
     finished = [r.req_id for r in records]
-    items = [tw._tail_items(r) for r in records]
-    infos = [(r.num_loaded % tw._groups[0].effective_block) for r in records]
+    items = [rank.tail_items(r) for r in records]
+    infos = [(r.num_loaded % rank.groups[0].effective_block) for r in records]
     base = {r.req_id: r for r in records}
     tables = iter([dict(base) for _ in range(reps)])
 
@@ -537,16 +538,17 @@ def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str,
 
     pieces: dict[str, Callable[[], Any]] = {
         "first_stale_slot x N": firsts,
-        "_tail_items x N (incl. first_stale_slot)": lambda: [tw._tail_items(r) for r in records],
+        "tail_items x N (incl. first_stale_slot)": lambda: [rank.tail_items(r) for r in records],
+        "tail_work x N (memoized, what bind runs)": lambda: [rank.tail_work(r) for r in records],
         "np.asarray(items) x N": lambda: [np.asarray(i, dtype=np.int64) for i in items],
     }
     # Work lines are built when records arrive (bind); completion only launches.
-    pieces["_zeroing x N (work lines at bind)"] = lambda: [tw._zeroing("r", i) for i in items]
-    lines = [ln for i in items for ln in tw._zeroing("r", i).lines]
+    pieces["zeroing x N (work lines from items)"] = lambda: [rank.zeroing("r", i) for i in items]
+    lines = [ln for i in items for ln in rank.zeroing("r", i).lines]
     pieces["pop finished records"] = pops
     pieces["zeroer.zero_lines(all) (CPU torch path)"] = lambda: zeroer.zero_lines(lines)
     out = {name: _stats(_time_fn(fn, reps)) for name, fn in pieces.items()}
-    tw._stats.take(None)
+    rank.stats.take(None)
     return out
 
 
