@@ -140,17 +140,17 @@ class GraphSlots:
     def next_buffer(self) -> np.ndarray:
         """The pinned buffer :meth:`replay` copies next, once free (the copy
         out of it by the slot's last replay has completed)."""
-        slot = self._slots[self._next]
-        if not slot.done.query():
-            slot.done.synchronize()
-        return slot.host_np
+        return self._free_slot().host_np
 
     def next_bytes(self) -> memoryview:
         """:meth:`next_buffer`'s bytes."""
+        return self._free_slot().host_bytes
+
+    def _free_slot(self) -> _Slot:
         slot = self._slots[self._next]
         if not slot.done.query():
             slot.done.synchronize()
-        return slot.host_bytes
+        return slot
 
     def replay(self) -> torch.cuda.Event:
         """Replay the slot :meth:`next_buffer` handed out (copy, launch);
