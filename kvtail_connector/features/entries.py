@@ -18,7 +18,7 @@ from typing import Any
 from kvtail_connector import entry, trust
 from kvtail_connector._version import __version__
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import ExpectedDigest
+from kvtail_connector.metadata import ExpectedDigest, KVTailWorkerMeta
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
@@ -38,6 +38,46 @@ def binding_nodes(limits: entry.Limits, min_block_size: int) -> int:
     # A producer of a smaller block size (NIXL maps block size ratios)
     # sends up to 4x the block ids D's own would have.
     return trust.binding_nodes(limits, max(1, min_block_size // 4))
+
+
+class FinishedParams:
+    """The params of a producer's requests that finished in the
+    ``update_from_output`` call now running, with their prompt lengths, until
+    that call's ``update_connector_output`` says what the workers did (vLLM
+    finishes requests, then updates the connector with the step's output, in
+    one call). The dicts are the ones vLLM puts into the requests' outputs: an
+    entry added to them before the call returns reaches the router. What a
+    step without connector output leaves has left the engine: dropped at the
+    next ``build_connector_meta``."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def keep(self, req_id: str, params: dict[str, Any], num_tokens: int) -> None:
+        self._held[req_id] = (params, num_tokens)
+
+    def take(self) -> dict[str, tuple[dict[str, Any], int]]:
+        held, self._held = self._held, {}
+        return held
+
+    def drop(self) -> None:
+        self._held.clear()
+
+    def forget(self, req_id: str) -> None:
+        self._held.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def every_rank(worker_meta: KVTailWorkerMeta | None, workers: int) -> KVTailWorkerMeta | None:
+    """The step's worker metadata where every worker's is folded into it
+    (ranks are ids: a replayed output repeats a rank, never adds one), else None."""
+    if worker_meta is not None and len(worker_meta.ranks) == workers:
+        return worker_meta
+    return None
 
 
 class EntryWriter:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtail_connector import entry
+from kvtail_connector.features.entries import FinishedParams, every_rank
 from kvtail_connector.features.records import (
     LoadRecords,
     completing_prompts,
@@ -48,7 +49,7 @@ class VerificationScheduler:
         self._digest = digests_prompts
         self._producing: dict[str, Any] = {}
         self._digesting: dict[str, int] = {}  # prompt length of those shipped
-        self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
+        self._finished = FinishedParams()
         # Consumer: the ranks' verdicts on loads that came with a digest,
         # until vLLM reports the load finished.
         self._verdicts: dict[str, str] = {}
@@ -86,7 +87,7 @@ class VerificationScheduler:
         self._producing.pop(req_id, None)
         digested = self._digesting.pop(req_id, None)
         if digested is not None and isinstance(params, dict):
-            self._provisional[req_id] = (params, digested)
+            self._finished.keep(req_id, params, digested)
 
     def granted(
         self, worker_meta: KVTailWorkerMeta | None, workers: int
@@ -94,12 +95,10 @@ class VerificationScheduler:
         """The requests finished in this call that every worker digested,
         with the summed digest; the others leave without one (their consumer
         verifies nothing)."""
-        provisional, self._provisional = self._provisional, {}
-        parts: dict[str, Any] = {}
-        if worker_meta is not None and len(worker_meta.ranks) == workers:
-            parts = worker_meta.digests
+        reported = every_rank(worker_meta, workers)
+        parts = reported.digests if reported is not None else {}
         out = {}
-        for req_id, (params, num_tokens) in provisional.items():
+        for req_id, (params, num_tokens) in self._finished.take().items():
             part = parts.get(req_id)
             digest = part.digest() if part is not None and part.ranks == workers else None
             if digest is None:
@@ -110,10 +109,10 @@ class VerificationScheduler:
 
     @property
     def has_provisional(self) -> bool:
-        return bool(self._provisional)
+        return bool(self._finished)
 
     def drop_provisional(self) -> None:
-        self._provisional.clear()
+        self._finished.drop()
 
     # -------------------------------------------------------------- consumer
 
@@ -150,7 +149,7 @@ class VerificationScheduler:
     def forget(self, req_id: str) -> None:
         self._producing.pop(req_id, None)
         self._digesting.pop(req_id, None)
-        self._provisional.pop(req_id, None)
+        self._finished.forget(req_id)
 
     def held(self) -> set[str]:
         return set(self._producing) | set(self._digesting)
@@ -158,8 +157,5 @@ class VerificationScheduler:
     @property
     def num_tracked(self) -> int:
         return (
-            len(self._producing)
-            + len(self._digesting)
-            + len(self._provisional)
-            + len(self._verdicts)
+            len(self._producing) + len(self._digesting) + len(self._finished) + len(self._verdicts)
         )

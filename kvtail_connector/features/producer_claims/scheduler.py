@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.features.entries import decline
+from kvtail_connector.features.entries import FinishedParams, decline, every_rank
 from kvtail_connector.features.records import LoadRecords, completing_prompts, is_prefill_leg
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import GroupLoad, KVTailWorkerMeta, LoadRecord
@@ -46,8 +46,7 @@ class ClaimsScheduler:
         self._vouch = vouch
         self._producing: dict[str, Any] = {}
         self._claims: dict[str, tuple[int, int]] = {}  # (prompt length, preemptions then)
-        # Finished in the update_from_output call now running: its params, prompt length.
-        self._provisional: dict[str, tuple[dict[str, Any], int]] = {}
+        self._finished = FinishedParams()
         # Consumer: in-flight loads whose false vouch was counted already
         # (several ranks may find the same one, in different steps).
         self._false_vouched: set[str] = set()
@@ -94,7 +93,7 @@ class ClaimsScheduler:
         # Preempted since (async scheduling can preempt it after the step
         # that zeroed its tail was scheduled): its blocks were freed; no claim.
         if request.num_preemptions == preemptions and request.num_computed_tokens >= num_tokens:
-            self._provisional[req_id] = (params, num_tokens)
+            self._finished.keep(req_id, params, num_tokens)
 
     def granted(
         self, worker_meta: KVTailWorkerMeta | None, workers: int
@@ -102,12 +101,10 @@ class ClaimsScheduler:
         """The requests finished in this call whose tail every worker zeroed
         in the step just processed; the others leave without a claim (their
         consumer zeroes as if P were plain vLLM)."""
-        provisional, self._provisional = self._provisional, {}
-        confirmed: dict[str, frozenset[int]] = {}
-        if worker_meta is not None and len(worker_meta.ranks) == workers:
-            confirmed = worker_meta.confirmed
+        reported = every_rank(worker_meta, workers)
+        confirmed = reported.confirmed if reported is not None else {}
         out = {}
-        for req_id, found in provisional.items():
+        for req_id, found in self._finished.take().items():
             # Distinct ranks: a step's outputs replayed (0.33 fault tolerance)
             # repeat a rank's confirmation, never add one.
             if len(confirmed.get(req_id, ())) != workers:
@@ -118,10 +115,10 @@ class ClaimsScheduler:
 
     @property
     def has_provisional(self) -> bool:
-        return bool(self._provisional)
+        return bool(self._finished)
 
     def drop_provisional(self) -> None:
-        self._provisional.clear()
+        self._finished.drop()
 
     # -------------------------------------------------------------- consumer
 
@@ -157,7 +154,7 @@ class ClaimsScheduler:
     def forget(self, req_id: str) -> None:
         self._producing.pop(req_id, None)
         self._claims.pop(req_id, None)
-        self._provisional.pop(req_id, None)
+        self._finished.forget(req_id)
 
     def held(self) -> set[str]:
         return set(self._producing)
@@ -167,6 +164,6 @@ class ClaimsScheduler:
         return (
             len(self._producing)
             + len(self._claims)
-            + len(self._provisional)
+            + len(self._finished)
             + len(self._false_vouched)
         )
