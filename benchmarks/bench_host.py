@@ -539,7 +539,7 @@ def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str,
     pieces: dict[str, Callable[[], Any]] = {
         "first_stale_slot x N": firsts,
         "tail_items x N (incl. first_stale_slot)": lambda: [rank.tail_items(r) for r in records],
-        "tail_work x N (memoized, what bind runs)": lambda: [rank.tail_work(r) for r in records],
+        "tail_pack x N (memoized, what bind runs)": lambda: [rank.tail_pack(r) for r in records],
         "np.asarray(items) x N": lambda: [np.asarray(i, dtype=np.int64) for i in items],
     }
     # Work lines are built when records arrive (bind); completion only launches.

@@ -1,9 +1,10 @@
 """Host cost of the worker's completion path on a GPU, against one bare Triton launch.
 
 What ``get_transfer_results`` adds when loads complete: pop their records,
-concatenate their pre-encoded tails, one graph replay (copy + launch), one
-event record. Measured per call with the GPU idle before each call (host time
-only), as a ratio to launching an empty Triton kernel in the same run.
+join their tails' work lines (packed when the records arrived), one graph
+replay (copy + launch, the slot's event recorded inside the graph).
+Measured per call with the GPU idle before each call (host time only), as a
+ratio to launching an empty Triton kernel in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_worker_gpu.py [--json out.json]
 
@@ -316,21 +317,25 @@ def completion_rows(
     num_blocks: int = 1024,
     sizes: tuple[int, ...] = (0, 1, 64),
 ) -> list[dict[str, float]]:
-    """Host µs of a completion of ``n`` loads (their records bound before each
-    rep) and of binding them, per layer count."""
+    """Host µs of the runner's ``get_transfer_results`` hook (the worker's
+    ``transfer_results``) when ``n`` loads complete (their records bound
+    before each rep), and of binding them, per layer count. ``n = 0``: nothing
+    completes while 64 loads are in flight."""
     rows: list[dict[str, float]] = []
+    inner = _NoLoadErrors()
     for layers in layer_counts:
         worker = build_worker(layers, num_blocks)
         for n in sizes:
             recs = records(n, num_blocks)
             finished = {r.req_id for r in recs}
             meta = KVTailMetadata(inner=None, loads=recs)  # type: ignore[arg-type]
+            results = KVConnectorTransferResults(finished_recving=finished)
 
             def bind(meta=meta, worker=worker):
                 worker.bind(meta)
 
-            def complete(finished=finished, worker=worker):
-                worker.on_transfer_results(finished, (), _NoLoadErrors())
+            def complete(results=results, worker=worker):
+                worker.transfer_results(results, set(), inner)
 
             def forget(finished=finished, worker=worker):
                 # What a rep bound, dropped (the loads completed, unzeroed).
@@ -338,7 +343,18 @@ def completion_rows(
                     KVConnectorTransferResults(finished_recving=finished), set()
                 )
 
-            us = host_time(complete, reps, before=bind if n else None)
+            if n:
+                us = host_time(complete, reps, before=bind)
+            else:
+                in_flight = KVTailMetadata(inner=None, loads=records(64, num_blocks))  # type: ignore[arg-type]
+                worker.bind(in_flight)
+                us = host_time(complete, reps)
+                worker.contain_transfer_results(
+                    KVConnectorTransferResults(
+                        finished_recving={r.req_id for r in in_flight.loads}
+                    ),
+                    set(),
+                )
             bind_us = host_time(bind, reps, before=forget)
             forget()
             rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
@@ -362,6 +378,7 @@ def main() -> int:
         + (", vLLM not installed (benchmarks/without_vllm.py)" if VLLM_STOOD_IN else "")
     )
     print(f"# one bare Triton launch (empty kernel, JIT): {bare:.1f} µs host")
+    print("get_transfer_results (0 completing: 64 loads in flight, none done), and bind")
     print("| layers | tails completing | completion µs (host) | / bare launch | bind µs (host) |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:

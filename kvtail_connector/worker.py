@@ -90,6 +90,8 @@ class TailWorker:
             groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
         self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
+        # Clean completions may take the packed path (the probe reads items).
+        self._bulk = policy.zeroes_tails and not policy.probes
         self._errors = LoadErrorsWorker(self._rank, self._tails.in_flight)
         self._claims = (
             ClaimsWorker(self._rank) if policy.vouches_for_tails or policy.checks_claims else None
@@ -263,6 +265,11 @@ class TailWorker:
         ``results``, after zeroing what completed, with completions held back
         while their zeroing has not executed (``holds_completions``) and,
         with ``verify_kv``, while their digest is not on the host."""
+        if not (results.finished_recving or finished_req_ids or self._tails.num_held) and (
+            self._verify is None
+        ):
+            # The usual pass: nothing completed or finished, nothing held.
+            return results
         self._tails.finished(finished_req_ids)
         zeroed: set[str] = set()
         if results.finished_recving:
@@ -285,7 +292,9 @@ class TailWorker:
         self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
     ) -> set[str]:
         """Zero the tails of completed loads (and failed loads' blocks) in one
-        launch. Returns the requests it zeroed for."""
+        launch. Returns the requests it zeroed for where completions are held
+        (``holds_completions``); otherwise what it returns is not read and may
+        be empty."""
         tails, errors, rank = self._tails, self._errors, self._rank
         if not tails.loading:
             return set()
@@ -294,26 +303,25 @@ class TailWorker:
         if not done:
             return set()
         # One transposition of the step's loads (C-level, whatever their number).
-        records, batches, has_tails, specials = zip(*done, strict=True)
+        records, packed, nbytes, has_tails = zip(*done, strict=True)
         if (
-            any(specials)
+            None in packed
             or failed_recving
             or errors.has_invalid
             or tails.any_abandoned
-            or rank.released
-            or not self._policy.zeroes_tails
+            or not self._bulk
+            or not rank.launches_packed
         ):
             return self._complete_each(done, set(failed_recving))
         # The usual step: every load completed clean, with nothing but its
-        # tail to zero (what _complete_each does for such loads, in bulk).
-        if None in batches:  # bound before the caches were registered
-            batches = tuple(
-                b or rank.tail_zeroing(r) for b, r in zip(batches, records, strict=True)
-            )
-        zeroed = rank.zero(batches)
+        # tail to zero, packed when it arrived (what _complete_each does for
+        # such loads, in a few C-level passes).
+        rank.zero_packed(b"".join(packed), sum(nbytes))
         # Counted once the launch returned: a failed one zeroed nothing.
         rank.count_tails(sum(has_tails))
-        return zeroed
+        if not tails.holds:
+            return set()
+        return {r.req_id for r, p in zip(records, packed, strict=True) if p}
 
     def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
         """Completed loads one by one: aborted ones dropped; with the KV cache

@@ -22,7 +22,7 @@ from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 from kvtail_connector.ops.zero._step_zeroer import StepZeroer
-from kvtail_connector.ops.zero.plan import Line, packed_line, packed_lines
+from kvtail_connector.ops.zero.plan import ITEM_STRUCT, Line, packed_line, packed_lines
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import first_stale_slot, tail_block
@@ -30,6 +30,8 @@ from kvtail_connector.tails import first_stale_slot, tail_block
 logger = get_logger(__name__)
 
 Item = tuple[int, int, int]  # (cache set index, manager block, first slot to zero)
+# What packing one tail line needs but its block: (first slot, first row, rows).
+_PackFacts = tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,11 @@ class RankZeroing:
         self._tail_facts: dict[
             tuple[int, int], list[tuple[int, int, tuple[int, int, int], int]]
         ] = {}
+        # (group, valid tokens) -> (its sets' tail lines but the block, their
+        # bytes; None: some set's line is a whole block, not packable).
+        self._pack_facts: dict[tuple[int, int], tuple[_PackFacts | None, int]] = {}
+        # The widest tail line of any set: the header of every packed launch.
+        self._tail_shape = (0, 0)
         # Recorded behind the latest launch of any part: start_load_kv's fence.
         self.last_zeroing: torch.cuda.Event | None = None
         # Sleep mode: the zeroer unregister_kv_caches put away (see release()).
@@ -143,6 +150,8 @@ class RankZeroing:
             self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
         self.tail_bytes = TailBytes.of(sets)
         self._tail_facts = {}
+        self._pack_facts = {}
+        self._tail_shape = self.zeroer.tail_shape()
         self.zeroer.warmup()
 
     @property
@@ -222,6 +231,73 @@ class RankZeroing:
                 )
                 nbytes += size
         return _zeroing(record.req_id, lines, nbytes), has_tail
+
+    def tail_pack(self, record: LoadRecord) -> tuple[bytes | None, int, bool]:
+        """``(packed, nbytes, has_tail)`` of ``record``'s tail: its lines packed
+        as the kernel's work buffer holds them (:meth:`zero_packed`; None where
+        they cannot be: no caches registered, or a line zeroes a whole block),
+        the bytes they zero, and :meth:`has_tail`. One pass over the record's
+        groups, from facts kept per (group, valid tokens), whatever the layers."""
+        if self.zeroer is None or not self._tail_shape[0]:
+            return None, 0, self.has_tail(record)
+        packed = b""
+        nbytes = 0
+        has_tail = False
+        block_tokens = self._block_tokens
+        pack = ITEM_STRUCT.pack
+        for load in record.groups:
+            k, n = divmod(record.num_loaded, block_tokens[load.group])
+            if not n:
+                continue
+            idx = k - load.first_block
+            if not 0 <= idx < len(load.block_ids):
+                continue
+            block = load.block_ids[idx]
+            if block == NULL_BLOCK:
+                continue
+            has_tail = has_tail or self._has_tails[load.group]
+            found = self._pack_facts.get((load.group, n))
+            if found is None:
+                found = self._pack_facts[(load.group, n)] = self._pack_facts_of(load.group, n)
+            facts, size = found
+            if facts is None:
+                return None, 0, self.has_tail(record)
+            for first, start, count in facts:
+                packed += pack(block, first, start, count)
+            nbytes += size
+        return packed, nbytes, has_tail
+
+    def _pack_facts_of(self, group: int, n: int) -> tuple[_PackFacts | None, int]:
+        facts = self._tail_facts.get((group, n))
+        if facts is None:
+            facts = self._tail_facts[(group, n)] = self._facts_of(group, n)
+        if any(not first for _, first, _, _ in facts):  # a whole-block line
+            return None, 0
+        return (
+            tuple((first, start, count) for _, first, (start, count, _), _ in facts),
+            sum(size for *_, size in facts),
+        )
+
+    def zero_packed(self, packed: bytes, nbytes: int) -> None:
+        """One launch for tail lines packed by :meth:`tail_pack` (joined), under
+        the widest tail shape; ``nbytes`` counted once launched. Needs
+        :attr:`launches_packed`."""
+        n = len(packed) // ITEM_STRUCT.size
+        if not n:
+            return
+        zeroer = self.zeroer
+        assert zeroer is not None
+        zeroer.zero_packed(packed, n, *self._tail_shape)
+        self.stats.add("tail_bytes_zeroed", nbytes)  # launched
+        # Recorded behind the launch by the zeroer: start_load_kv's fence.
+        self.last_zeroing = zeroer.last_launch_done
+        logger.debug("kvtail: zeroed %d tail item(s) in one launch", n)
+
+    @property
+    def launches_packed(self) -> bool:
+        """:meth:`zero_packed` can launch (caches registered, the Triton path)."""
+        zeroer = self.zeroer
+        return zeroer is not None and zeroer.launches_packed
 
     def _facts_of(self, group: int, n: int) -> list[tuple[int, int, tuple[int, int, int], int]]:
         zeroer = self.zeroer
@@ -319,7 +395,9 @@ class RankZeroing:
                     [b.owner for b in batches for _ in b.lines],
                 )
             )
-        if not (all(packable) and zeroer.zero_packed(b"".join(packed), n, max(rows), max(chunks))):
+        if all(packable) and zeroer.launches_packed:
+            zeroer.zero_packed(b"".join(packed), n, max(rows), max(chunks))
+        else:
             zeroer.zero_lines(flat if flat is not None else [ln for g in lines for ln in g])
         self.stats.add(counter, sum(nbytes))  # launched
         # Recorded behind the launch by the zeroer: start_load_kv's fence.

@@ -76,7 +76,7 @@ def test_graph_slot_paths_zero_exactly_what_the_reference_does(path):
         lines = [zeroer.line(0, b, f) for b, f in tails]
         assert all(ln is not None for ln in lines)
         if path == "packed":
-            assert zeroer.zero_packed(
+            zeroer.zero_packed(
                 packed_lines(lines),
                 len(lines),
                 max(ln.rows for ln in lines),
@@ -98,3 +98,35 @@ def test_packed_bytes_must_cover_every_line_the_header_counts():
     fill_packed_work(buf.data.cast("B"), packed_lines(old), 2, 8, 4)
     with pytest.raises(ValueError, match="packed"):
         fill_packed_work(buf.data.cast("B"), packed_lines(fresh), 2, 8, 4)
+
+
+@pytest.mark.parametrize("n_tails", [1, 9])
+def test_packed_lines_under_the_widest_tail_shape_zero_exactly_the_reference(n_tails):
+    # Groups of different row counts and spans; every step's header says the
+    # widest tail shape of any group (StepZeroer.tail_shape), not its lines'.
+    # On CPU caches (the interpreter) the Triton path stages the work; on CUDA
+    # ones it replays a graph slot.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    small = make_backing(
+        "LBHNC", num_layers=1, num_pages=16, heads=1, slots=16, content=8, dtype=torch.bfloat16
+    )
+    large = make_backing(
+        "LBHNC", num_layers=3, num_pages=16, heads=2, slots=16, content=64, dtype=torch.float16
+    )
+    on_small, on_large = to_device(small, device), to_device(large, device)
+    zeroer = StepZeroer([(on_small.views, 1), (on_large.views, 1)], implementation="triton")
+    assert zeroer.launches_packed
+    rows, chunks = zeroer.tail_shape()
+    rng = random.Random(n_tails)
+    expected = {0: small.raw.clone(), 1: large.raw.clone()}
+    tails = [(rng.randrange(2), rng.randrange(16), rng.randrange(1, 16)) for _ in range(n_tails)]
+    tails = list({(g, b): (g, b, f) for g, b, f in tails}.values())  # one line per block
+    lines = [zeroer.line(*t) for t in tails]
+    assert all(ln is not None for ln in lines)
+    assert rows >= max(ln.rows for ln in lines) and chunks >= max(ln.chunks for ln in lines)
+    zeroer.zero_packed(packed_lines(lines), len(lines), rows, chunks)
+    for g, b, f in tails:
+        backing = (small, large)[g]
+        reference_zero_kv_blocks(rebase(backing.views, expected[g]), tails=[(b, f)])
+    assert torch.equal(on_small.raw.cpu(), expected[0])
+    assert torch.equal(on_large.raw.cpu(), expected[1])

@@ -336,7 +336,7 @@ def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
 
     worker.bind(load("a", (5, 2, 7), vouched=True))
     again = load("a", (1, 3, 4), vouched=False)
-    _inject_once(monkeypatch, worker._rank, "tail_work")
+    _inject_once(monkeypatch, worker._rank, "tail_pack")
     try:
         worker.bind(again)
     except Exception as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -21,9 +22,21 @@ from tests.helpers.worker_caches import (
 )
 
 
+@pytest.fixture(params=["torch", "triton"])
+def zeroer_path(request, monkeypatch):
+    """The worker's zeroer on either path: CPU caches take torch, CUDA ones
+    Triton (its packed completion path; here through the interpreter)."""
+    if request.param == "triton":
+        import kvtail_connector.features.zeroing as zeroing
+
+        triton_zeroer = functools.partial(zeroing.StepZeroer, implementation="triton")
+        monkeypatch.setattr(zeroing, "StepZeroer", triton_zeroer)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_tails_byte_exact_in_every_layout(layout, dtype):
+def test_tails_byte_exact_in_every_layout(layout, dtype, zeroer_path):
     kv = make_kv_cache_config(block_size=16, num_blocks=8, dtype=dtype)
     caches = allocate(kv, layout)
     gen = torch.Generator().manual_seed(0)
@@ -32,6 +45,7 @@ def test_tails_byte_exact_in_every_layout(layout, dtype):
     expected = {g: raw.clone() for g, raw in caches.raw.items()}
     worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv)
+    assert worker._rank.launches_packed == (zeroer_path == "triton")
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # tail: block 7, 5 tokens
         LoadRecord("b", 16, 49, (GroupLoad(0, 1, (1, 4, 6)),)),  # tail: block 6, 1 token

@@ -40,16 +40,19 @@ logger = get_logger(__name__)
 
 
 class Pending(NamedTuple):
-    """A load in flight: its record and its tails, encoded when it arrived
+    """A load in flight: its record and its tail, packed when it arrived
     (a tuple: one per load, built on the per-step path)."""
 
     record: LoadRecord
-    tails: Zeroing | None  # None: no caches registered when it arrived
+    # The tail's work lines packed (RankZeroing.tail_pack), or None: the load
+    # completes one by one (vouched, a digest to verify, no caches registered
+    # when it arrived, a whole block to zero).
+    packed: bytes | None
+    nbytes: int  # what the packed lines zero
     has_tail: bool  # RankZeroing.has_tail(record)
-    special: bool  # vouched, or a digest to verify: more than its tail to do
 
     def zeroing(self, rank: RankZeroing) -> Zeroing:
-        return self.tails or rank.tail_zeroing(self.record)
+        return rank.tail_zeroing(self.record)
 
 
 def _written(record: LoadRecord) -> Iterator[int]:
@@ -76,19 +79,19 @@ class ConsumerTailsWorker:
         self._hold = CompletionHold() if holds_completions else None
 
     def bind(self, loads: Iterable[LoadRecord]) -> None:
-        rank, pending = self._rank, self._loads
+        pending, abandoned = self._loads, self._abandoned
         # Without registered caches (profiling, sleep mode) the lines are
         # built at completion instead.
-        encode = rank.zeroer is not None
-        work = rank.tail_work
+        pack = self._rank.tail_pack
         for record in loads:
             req_id = record.req_id
-            tails, has_tail = work(record)
-            special = record.vouched or record.expected is not None
+            packed, nbytes, has_tail = pack(record)
+            if record.vouched or record.expected is not None:
+                packed = None  # more than its tail to do
             # A new load of a reused id replaces the old one.
-            pending[req_id] = Pending(record, tails if encode else None, has_tail, special)
-            if self._abandoned:
-                self._abandoned.discard(req_id)
+            pending[req_id] = Pending(record, packed, nbytes, has_tail)
+            if abandoned:
+                abandoned.discard(req_id)
 
     def drop(self, req_ids: Iterable[str]) -> None:
         """Forget these loads (their record is lost: reported failed instead)."""
@@ -109,7 +112,7 @@ class ConsumerTailsWorker:
     def finished(self, finished_req_ids: set[str]) -> None:
         """vLLM finished these requests: a load still in flight is abandoned."""
         if self._loads and finished_req_ids:
-            self._abandoned.update(r for r in finished_req_ids if r in self._loads)
+            self._abandoned |= self._loads.keys() & finished_req_ids
 
     def completed(self, finished_recving: Iterable[str]) -> list[Pending]:
         """The tracked loads among ``finished_recving``, forgotten here."""
@@ -175,6 +178,11 @@ class ConsumerTailsWorker:
 
     def held(self) -> set[str]:
         return set(self._loads)
+
+    @property
+    def holds(self) -> bool:
+        """Completions are held until their zeroing executed (see :meth:`hold`)."""
+        return self._hold is not None
 
     @property
     def num_held(self) -> int:

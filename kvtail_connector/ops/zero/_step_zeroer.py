@@ -15,7 +15,7 @@ time:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +45,13 @@ class StagedGroups:
     lines: list[list[Line]]  # per group, for the torch path (empty on Triton)
 
     def __post_init__(self) -> None:
-        # Each group's work argument, made once: a launch per layer only enqueues.
-        base = self.base
-        self._works = [
-            None if base is None or span is None else work_at(base, span[0]) for span in self.spans
+        # Each group's launch, made ready once: a launch per layer only enqueues.
+        base, launcher = self.base, self.zeroer._launcher
+        self._launches: list[Callable[[], None] | None] = [
+            None
+            if base is None or span is None or launcher is None
+            else launcher.bound_staged(work_at(base, span[0]), span[1])
+            for span in self.spans
         ]
 
     def has_work(self, k: int) -> bool:
@@ -62,13 +65,14 @@ class StagedGroups:
     def launch(self, k: int, *, record_event: bool = True) -> None:
         """Zero the k-th group's items. ``record_event=False``: the caller calls
         :meth:`StepZeroer.record_done` after the last launch of a series."""
-        span = self.spans[k]
-        if span is None:
+        launch = self._launches[k]
+        if launch is None:
+            if self.spans[k] is not None:  # the torch path
+                self.zeroer.zero_lines(self.lines[k])
             return
-        if self.base is None:
-            self.zeroer.zero_lines(self.lines[k])
-            return
-        self.zeroer._launch_staged(self._works[k], span[1], record_event)
+        launch()
+        if record_event:
+            self.zeroer.record_done()
 
 
 class StepZeroer(KVZeroer):
@@ -103,13 +107,25 @@ class StepZeroer(KVZeroer):
         self._launcher.run_lines(lines)
         return len(lines)
 
-    def zero_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> bool:
+    @property
+    def launches_packed(self) -> bool:
+        """:meth:`zero_packed` is available (the Triton path)."""
+        return self._launcher is not None
+
+    def tail_shape(self) -> tuple[int, int]:
+        """The most rows and chunks a tail line of any group has: a header
+        with these covers every tail line (the kernel skips the rows and
+        chunks a line lacks), so packed lines need no per-step maximum."""
+        facts = self._line_facts[: self._n_groups]
+        return max((f[1] for f in facts), default=0), max((f[2] for f in facts), default=0)
+
+    def zero_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> None:
         """Zero ``n_tail`` tail lines given packed (their work columns as the
-        kernel's buffer holds them, joined; their largest row and chunk
-        counts) with one graph replay; False, nothing launched, where no
-        graph slot holds them (the caller takes :meth:`zero_lines`)."""
-        launcher = self._launcher
-        return launcher is not None and launcher.run_packed(packed, n_tail, rows, chunks)
+        kernel's buffer holds them, joined; at least their largest row and
+        chunk counts) in one launch: a graph replay where a slot holds them.
+        Needs :attr:`launches_packed`."""
+        assert self._launcher is not None, "packed work exists on the Triton path only"
+        self._launcher.run_packed(packed, n_tail, rows, chunks)
 
     def stage_groups(
         self, groups: Sequence[int], blocks_firsts: Sequence[tuple[int, int]]
@@ -154,10 +170,6 @@ class StepZeroer(KVZeroer):
         """Record :attr:`last_launch_done` behind every launch so far (CUDA)."""
         if self._launcher is not None:
             self._launcher.record_done()
-
-    def _launch_staged(self, work: Any, units: int, record_event: bool) -> None:
-        assert self._launcher is not None, "staged work exists on the Triton path only"
-        self._launcher.launch_staged(work, units, record_event=record_event)
 
     def _group_lines(self, group: int, blocks_firsts: Sequence[tuple[int, int]]) -> list[Line]:
         """The live lines of ``(block, first slot)`` items in ``group``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,10 +153,20 @@ class _Compiled:
         if self._fast is None:
             launch_jit(grid, _as_tensor(work), rows)
             return
+        self._runner(grid)(work, rows, *self._constexprs)
+
+    def bound(self, grid: int, work: Any, rows: torch.Tensor) -> Callable[[], None]:
+        """``functools.partial(self, grid, work, rows)``, one call shorter: a
+        launch made ready ahead, for work launched later (per layer)."""
+        if self._fast is None:
+            return functools.partial(launch_jit, grid, _as_tensor(work), rows)
+        return functools.partial(self._runner(grid), work, rows, *self._constexprs)
+
+    def _runner(self, grid: int) -> Any:
         runner = self._runners.get(grid)
         if runner is None:
             runner = self._runners[grid] = self._fast[(grid, 1, 1)]
-        runner(work, rows, *self._constexprs)
+        return runner
 
 
 class KernelLauncher:
@@ -230,6 +240,17 @@ class KernelLauncher:
         if record_event:
             self.record_done()
 
+    def bound_staged(self, work: Any, units: int) -> Callable[[], None]:
+        """:meth:`launch_staged` of ``work`` made ready, to be called later
+        (several times if need be) without recording an event: the caller
+        calls :meth:`record_done` after the last launch of a series."""
+        grid = max(1, min(units, self.programs))
+        if self.device.type != "cuda":
+            return functools.partial(launch_jit, grid, work, self.rows)
+        if self._compiled is None:
+            self._compiled = _Compiled(_as_tensor(work), self.rows)
+        return self._compiled.bound(grid, work, self.rows)
+
     def record_done(self) -> None:
         """Record :attr:`last_done` behind everything launched so far (CUDA)."""
         if self.device.type != "cuda":
@@ -252,17 +273,20 @@ class KernelLauncher:
         work, units = line_work(lines)
         self.launch_staged(self.stage(work), units)
 
-    def run_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> bool:
-        """Replay ``n_tail`` packed tail lines (``plan.fill_packed_work``) from a
-        graph slot; False (nothing launched) where no slot holds them."""
+    def run_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> None:
+        """Zero ``n_tail`` packed tail lines (``plan.fill_packed_work``): written
+        straight into a graph slot's buffer and replayed where they fit, else
+        staged and launched."""
         if self._use_graphs and self._graphs is None:
             self.warmup()
         graphs = self._graphs
-        if graphs is None or HEADER_WORDS + ITEM_COLS * n_tail > graphs.entries:
-            return False
-        fill_packed_work(graphs.next_bytes(), packed, n_tail, rows, chunks)
-        self.last_done = graphs.replay()
-        return True
+        if graphs is not None and HEADER_WORDS + ITEM_COLS * n_tail <= graphs.entries:
+            fill_packed_work(graphs.next_bytes(), packed, n_tail, rows, chunks)
+            self.last_done = graphs.replay()
+            return
+        work = np.empty(HEADER_WORDS + ITEM_COLS * n_tail, dtype=np.int64)
+        units = fill_packed_work(work.data.cast("B"), packed, n_tail, rows, chunks)
+        self.launch_staged(self.stage(work), units)
 
     def run(self, work: np.ndarray, units: int) -> None:
         """Zero what ``work`` describes: a graph replay if it fits, else stage + launch."""

@@ -170,18 +170,18 @@ def fill_line_work(buf: np.ndarray, lines: Sequence[Line]) -> int:
 
 
 # One WorkItem line as the kernel's int64 work buffer holds it (native order).
-_ITEM = struct.Struct(f"={ITEM_COLS}q")
+ITEM_STRUCT = struct.Struct(f"={ITEM_COLS}q")
 
 
 def packed_line(line: Line) -> bytes:
     """:func:`packed_lines` of one line."""
-    return _ITEM.pack(*line.work)
+    return ITEM_STRUCT.pack(*line.work)
 
 
 def packed_lines(lines: Sequence[Line]) -> bytes:
     """The :class:`WorkItem` columns of ``lines`` as the work buffer holds
     them, for :func:`fill_packed_work` (built per load, where it arrives)."""
-    return b"".join([_ITEM.pack(*ln.work) for ln in lines])
+    return b"".join([ITEM_STRUCT.pack(*ln.work) for ln in lines])
 
 
 def fill_packed_work(buf: memoryview, packed: bytes, n_tail: int, rows: int, chunks: int) -> int:
