@@ -32,6 +32,15 @@ class _Armed:
     blocks_firsts: list[tuple[int, int]]
     owners: list[str]
     staged: StagedGroups
+    # Slots per block -> the stale slots of every item together: a layer's
+    # bytes are its slot bytes times that (one lookup per layer, not a pass).
+    stale: dict[int, int]
+
+    def stale_slots(self, slots: int) -> int:
+        found = self.stale.get(slots)
+        if found is None:
+            found = self.stale[slots] = sum(max(slots - f, 0) for _, f in self.blocks_firsts)
+        return found
 
 
 class LayerWork(NamedTuple):
@@ -113,6 +122,7 @@ class ReadTailsByLayer:
                     blocks_firsts,
                     [owner for owner, _, _ in armed],
                     self.zeroer.stage_groups(children, blocks_firsts),
+                    {},
                 )
                 staged.append((children, batch))
         finally:
@@ -135,7 +145,9 @@ class ReadTailsByLayer:
 
     def nbytes(self, work: LayerWork) -> int:
         """Bytes ``work`` zeroes."""
-        return sum(self._tail_bytes(work.group, f) for _, f in work.armed.blocks_firsts)
+        tail_bytes = self._tail_bytes
+        group = work.group
+        return tail_bytes.slot_bytes[group] * work.armed.stale_slots(tail_bytes.slots[group])
 
     def take(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), removed."""
