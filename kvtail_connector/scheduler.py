@@ -196,12 +196,23 @@ class TailScheduler:
                 self._reads.allocated(request, blocks, local, loaded, claim)
             return
         records, policy = self._records, self._policy
+        # Once per load: vLLM builds the id lists block by block.
+        block_ids = blocks.get_block_ids()
+        loaded_groups = records.loaded_groups(request)
         self._errors.started(
-            request.request_id, records.written_blocks(request, blocks, local, loaded)
+            request.request_id, records.written_blocks(block_ids, loaded_groups, local, loaded)
         )
         if not policy.zeroes_tails and expected is None:
             return
-        record = records.record(request, blocks, local, loaded, keep=expected is not None)
+        record = records.record(
+            request,
+            blocks,
+            local,
+            loaded,
+            keep=expected is not None,
+            block_ids=block_ids,
+            loaded_groups=loaded_groups,
+        )
         if record is None:
             if expected is not None and self._verify is not None:
                 self._verify.unrecorded()  # no group a digest covers

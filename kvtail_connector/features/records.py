@@ -74,14 +74,18 @@ class LoadRecords:
             mark_inner(exc)
             raise
 
-    def written_blocks(self, request: Any, blocks: Any, local: int, loaded: int) -> list[int]:
-        """The non-null blocks a load of tokens ``[local, loaded)`` writes, all groups."""
-        block_ids = blocks.get_block_ids()
-        out: list[int] = []
-        for gid in self.loaded_groups(request):
-            eb = self.groups[gid].effective_block
-            out.extend(b for b in block_ids[gid][local // eb : -(-loaded // eb)])
-        return [b for b in out if b != _compat.NULL_BLOCK_ID]
+    def written_blocks(
+        self, block_ids: Any, loaded_groups: Any, local: int, loaded: int
+    ) -> tuple[list[int], ...]:
+        """Per group in ``loaded_groups``, the ids of the blocks a load of
+        tokens ``[local, loaded)`` writes (list slices: null blocks left in,
+        for the reader to skip; nothing per block in Python)."""
+        groups = self.groups
+        out = []
+        for gid in loaded_groups:
+            eb = groups[gid].effective_block
+            out.append(block_ids[gid][local // eb : -(-loaded // eb)])
+        return tuple(out)
 
     def record(
         self,
@@ -92,11 +96,17 @@ class LoadRecords:
         *,
         tails_only: bool = False,
         keep: bool = False,
+        block_ids: Any = None,
+        loaded_groups: Any = None,
     ) -> LoadRecord | None:
         """The load's record, or None when block-aligned (nothing to zero or
-        watch) unless ``keep`` (a load to verify)."""
-        block_ids = blocks.get_block_ids()
-        loaded_groups = self.loaded_groups(request)
+        watch) unless ``keep`` (a load to verify). ``block_ids`` and
+        ``loaded_groups``: ``blocks.get_block_ids()`` and
+        :meth:`loaded_groups`, where the caller has them already."""
+        if block_ids is None:
+            block_ids = blocks.get_block_ids()
+        if loaded_groups is None:
+            loaded_groups = self.loaded_groups(request)
         entries = []
         any_tail = False
         for gid in loaded_groups:

@@ -11,9 +11,10 @@ completes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvtail_connector import _compat
 from kvtail_connector.stats import KVTailStats
 
 
@@ -22,18 +23,21 @@ class LoadErrorsScheduler:
 
     def __init__(self, stats: KVTailStats) -> None:
         self._stats = stats
-        self._in_flight: dict[str, frozenset[int]] = {}
+        # request -> ids per group of the blocks its load writes
+        self._in_flight: dict[str, tuple[Sequence[int], ...]] = {}
         self._failed: set[str] = set()
         self._failing: list[str] = []
 
-    def started(self, req_id: str, blocks: Iterable[int]) -> None:
-        """An async load of ``req_id`` writing ``blocks`` is in flight."""
-        self._in_flight[req_id] = frozenset(blocks)
+    def started(self, req_id: str, blocks: tuple[Sequence[int], ...]) -> None:
+        """An async load of ``req_id`` writing ``blocks`` (ids per group, vLLM's
+        null block among them where a window skipped one) is in flight. Kept as
+        given: they are searched only when invalid blocks are reported."""
+        self._in_flight[req_id] = blocks
 
     def lost(self, req_id: str) -> None:
         """The async load of ``req_id`` has no record: the workers report it
         failed when it completes (counted in ``failed_loads``: in flight)."""
-        self._in_flight.setdefault(req_id, frozenset())
+        self._in_flight.setdefault(req_id, ())
         self._failing.append(req_id)
 
     @property
@@ -57,8 +61,12 @@ class LoadErrorsScheduler:
         failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
         invalid = connector_output.invalid_block_ids
         if invalid:
+            # vLLM's null block is shared, never a load's own: not a failure.
+            invalid = set(invalid) - {_compat.NULL_BLOCK_ID}
             failed.update(
-                r for r, blocks in self._in_flight.items() if not blocks.isdisjoint(invalid)
+                r
+                for r, blocks in self._in_flight.items()
+                if any(not invalid.isdisjoint(ids) for ids in blocks)
             )
         new = failed - self._failed
         if new:
