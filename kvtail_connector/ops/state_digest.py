@@ -133,7 +133,7 @@ def _words(content: torch.Tensor) -> torch.Tensor:
     """int64 ``[n, ceil(bytes / 4)]``: little-endian uint32 words, the last
     one zero-filled above a partial run."""
     n, run = content.shape
-    if run % 4 == 0 and content.is_contiguous():
+    if run % 4 == 0 and content.is_contiguous() and content.storage_offset() % 4 == 0:
         padded = content
     else:
         padded = torch.zeros((n, -(-run // 4) * 4), dtype=torch.uint8, device=content.device)
