@@ -101,7 +101,9 @@ def test_the_probe_is_the_users_setting_and_the_policy_is_frozen():
 
 
 def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
-    cfg = KVTailConfig(backend="NixlConnector", zero_tails=zero_tails, vouch_tails=vouch)
+    cfg = KVTailConfig(
+        backend="NixlConnector", zero_tails=zero_tails, vouch_tails=vouch, verify_kv="off"
+    )
     args = dict.fromkeys(FACTS, False)
     args.update(is_producer=False, carries_producer_tail=True, producer_hook="wait_for_save")
     args.update(facts)
@@ -203,6 +205,10 @@ def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     auto = _verify("auto", **facts)
     assert not (auto.digests_prompts or auto.verifies_loads)
     assert auto.verify_kv_off is not None and why in auto.verify_kv_off
+
+
+def test_verify_kv_defaults_to_auto():
+    assert KVTailConfig(backend="NixlConnector").verify_kv == "auto"
 
 
 def test_verify_kv_auto_is_digest_wherever_digest_works():
