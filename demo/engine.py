@@ -180,6 +180,11 @@ class EngineProcess:
         the (layer, block, slot) triples written."""
         return int(self.call("rpc", "fill_slots", list(block_ids), start, stop, value))
 
+    def fill_state(self, block_ids: Sequence[int], state: int, value: float) -> int:
+        """Set element 0 of state ``state`` of ``block_ids`` in every state layer;
+        returns the (layer, block) pairs written."""
+        return int(self.call("rpc", "fill_state", list(block_ids), state, value))
+
     def fill_all(self, value: float = math.nan) -> int:
         return int(self.call("rpc", "fill_all", value))
 

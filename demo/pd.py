@@ -229,6 +229,7 @@ class PDPair:
         store_wait_s: float = 10.0,
         poison_consumer: float | None = None,
         corrupt_slot: tuple[int, float] | None = None,
+        corrupt_state: tuple[int, float] | None = None,
     ) -> PDResult:
         """Prefill on one engine, decode on the other, return both outputs and KV facts.
 
@@ -242,6 +243,10 @@ class PDPair:
         prompt token, in every attention layer, to ``value`` after its prefill
         (after anything the producer computed over its KV, a digest included) and
         before the consumer pulls: the bytes change between producer and consumer.
+
+        ``corrupt_state`` ``(state, value)`` (NIXL, hybrids) sets element 0 of that
+        state (0 conv, 1 SSM / recurrent) of the state block the producer sends, in
+        every state layer, at the same point: a state byte changed on the way.
 
         ``poison_consumer`` fills every attention slot of the (idle) decode engine
         first, standing for stale bytes left by earlier requests. NaN there is only
@@ -273,6 +278,11 @@ class PDPair:
             token, value = corrupt_slot
             block = producer_blocks[token // bs]
             poisoned += self.prefill.fill_slots([block], token % bs, token % bs + 1, value)
+        if corrupt_state is not None:
+            state_blocks = self.kv.state_ids(params.get("remote_block_ids"))
+            if not state_blocks:
+                raise RuntimeError(f"no state block in the producer's params: {params}")
+            poisoned += self.prefill.fill_state(state_blocks, *corrupt_state)
 
         if self.backend == "mooncake":
             self._wait_store(before, store_wait_s)

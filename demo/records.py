@@ -70,6 +70,17 @@ class KVInfo:
         sizes = [g["block_size"] for g in self.groups if "Attention" in g["spec"]]
         return sizes[0] if sizes else self.block_size
 
+    def state_ids(self, block_ids: Any) -> list[int]:
+        """Block ids of every state (Mamba) group from a per-group list."""
+        if not block_ids or isinstance(block_ids[0], int):
+            return []
+        return [
+            b
+            for g, ids in zip(self.groups, block_ids, strict=False)
+            if g["spec"] == "MambaSpec"
+            for b in ids
+        ]
+
     def attn_ids(self, block_ids: Any) -> list[int]:
         """Block ids of the first attention group from a per-group list (or a flat list)."""
         if not block_ids:

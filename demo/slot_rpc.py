@@ -28,6 +28,9 @@ class SlotRPC:
     ) -> int:
         return slots.rpc_fill_slots(self, block_ids, int(start), stop, float(value))
 
+    def kvtail_fill_state(self, block_ids: list[int], state: int, value: str) -> int:
+        return slots.rpc_fill_state(self, block_ids, int(state), float(value))
+
     def kvtail_fill_all(self, value: str) -> int:
         return slots.rpc_fill_all(self, float(value))
 

@@ -217,7 +217,31 @@ def rpc_layout(worker: Any) -> dict[str, dict[str, Any]]:
     }
 
 
+def rpc_fill_state(worker: Any, block_ids: Sequence[int], state: int, value: float) -> int:
+    """Set element 0 of state ``state`` (index in the layer's ``MambaSpec.shapes``:
+    0 the conv state, 1 the SSM / recurrent state) of the given blocks to
+    ``value`` in every state (Mamba / linear-attention) layer, through the views
+    the layer itself binds. Returns the number of (layer, block) pairs written."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    runner = worker.model_runner
+    ctx = runner.compilation_config.static_forward_context
+    n = 0
+    for group in runner.kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            continue
+        for name in group.layer_names:
+            views = getattr(ctx.get(name), "kv_cache", None)
+            if not isinstance(views, tuple) or len(views) <= state:
+                continue
+            for b in block_ids:
+                views[state][b].view(-1)[0] = value
+                n += 1
+    return n
+
+
 RPCS: dict[str, Callable[..., Any]] = {
+    "fill_state": rpc_fill_state,
     "fill_slots": rpc_fill_slots,
     "fill_all": rpc_fill_all,
     "scrub_nan": rpc_scrub_nan,

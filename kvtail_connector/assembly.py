@@ -270,4 +270,6 @@ def _verify_summary(policy: TailPolicy) -> str:
         parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
     if policy.verifies_loads:
         parts.append("verifying loads against the producer's digest")
+    if policy.verify_kv_off is not None:
+        parts.append(f"off here: {policy.verify_kv_off}")
     return ", ".join(parts) or "nothing digested"

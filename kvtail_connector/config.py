@@ -36,8 +36,9 @@ _FIELD_HELP = {
     'tail a bound claim covers) or "off"',
     "entry_key_env": "the NAME of an environment variable holding the shared key (never the "
     "key itself), e.g. KVTAIL_ENTRY_KEY",
-    "verify_kv": 'one of "off" or "digest" (producers send a digest of each remote-decode '
-    "prompt's KV, consumers check what they loaded and report a mismatch as a failed load)",
+    "verify_kv": 'one of "off", "digest" (producers send a digest of each remote-decode '
+    "prompt's KV, consumers check what they loaded and report a mismatch as a failed load) "
+    'or "auto" (digest wherever it can work, off elsewhere)',
 }
 
 
@@ -89,9 +90,12 @@ class KVTailConfig(BaseModel):
             head and token segment) and adds the sums to its ``kvtail`` entry;
             a consumer digests what an async load wrote, holds the completion
             until the sums are on the host, and reports a mismatch as a failed
-            load (vLLM's ``kv_load_failure_policy`` applies). ``off`` (the
-            default): neither. Refused at start-up where it cannot work (see
-            :func:`~kvtail_connector.policy.resolve_policy`).
+            load (vLLM's ``kv_load_failure_policy`` applies); refused at
+            start-up where it cannot work (see
+            :func:`~kvtail_connector.policy.resolve_policy`). ``auto``: the
+            same wherever it can work, off elsewhere (the start-up INFO line
+            says why; the default); a load that comes with no digest is
+            counted in ``digests_skipped``. ``off``: neither.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,7 +108,7 @@ class KVTailConfig(BaseModel):
     probe_stale_tails: StrictBool = False
     vouch_tails: Literal["auto", "trust", "off"] = "auto"
     entry_key_env: str | None = None
-    verify_kv: Literal["off", "digest"] = "off"
+    verify_kv: Literal["off", "digest", "auto"] = "auto"
 
     @field_validator("backend", "backend_module_path")
     @classmethod

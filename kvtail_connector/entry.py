@@ -44,8 +44,11 @@ Wire format (JSON; :data:`VERSION` 2)::
   signature ``sig`` of what the sums are keyed on, and per KV cache group
   (``< `` D's groups) and global KV head (``<`` D's KV heads) the sum of each
   of the ``ceil(n / seg)`` segments, as 16 hex digits (u64 values lose
-  precision as JSON numbers in JavaScript proxies). A ``dg`` outside the
-  model is ignored; the rest of the entry is kept.
+  precision as JSON numbers in JavaScript proxies). Optional ``st`` (hybrid
+  models): the digest of each state group's state after the prompt,
+  ``{"alg": "mix64-state-1", "sig": "<16 hex>", "g": {"<group>": {"<TP
+  shard>": "<16 hex>"}}}`` (shards ``<`` :data:`MAX_STATE_SHARDS`). A ``dg``
+  outside the model is ignored; the rest of the entry is kept.
 - ``mac``: HMAC-SHA256 of the entry without ``mac``
   (:func:`canonical`), with the key both sides share (``entry_key_env``);
   absent without a key.
@@ -110,7 +113,8 @@ class Limits:
         """Values (dicts, lists, scalars) in the largest clean entry, and slack:
         the size walk stops past it, before any parse."""
         rows = self.num_groups * (1 + self.num_kv_heads * (1 + MAX_SEGMENTS))
-        return 1 + 12 + (1 + 4 + self.num_groups) + (1 + 4 + 1 + rows) + _SLACK_NODES
+        states = 1 + 3 + 1 + self.num_groups * (1 + MAX_STATE_SHARDS)
+        return 1 + 12 + (1 + 4 + self.num_groups) + (1 + 5 + 1 + rows) + states + _SLACK_NODES
 
 
 # A cap no clean entry reaches on any model, for readers without D's model.
@@ -163,6 +167,38 @@ def geometry(group_specs: Sequence[Any], dcp: int, interleave: int) -> Geometry:
 
 # Per KV cache group, per global KV head: the segments' u64 sums.
 Sums = dict[int, dict[int, tuple[int, ...]]]
+# Per state (Mamba / linear-attention) group, per TP shard: the u64 sum.
+StateSums = dict[int, dict[int, int]]
+# TP shards a state digest may name (keys are below it).
+MAX_STATE_SHARDS = 64
+
+
+@dataclass(frozen=True)
+class StateDigest:
+    """The ``st`` of a ``dg``: P's digest of each state group's state after
+    the prompt (the block vLLM's transfer sends), per TP shard.
+
+    Attributes:
+        algorithm: its own version (``mix64-state-1``, ``ops/state_digest.py``).
+        signature: 16 hex digits over what the sums are keyed on (groups,
+            layers, state shapes and dtypes, TP size); a consumer compares
+            only sums made with its own.
+        sums: group -> TP shard -> sum.
+    """
+
+    algorithm: str
+    signature: str
+    sums: StateSums
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "alg": self.algorithm,
+            "sig": self.signature,
+            "g": {
+                str(g): {str(r): f"{v:016x}" for r, v in shards.items()}
+                for g, shards in self.sums.items()
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -175,15 +211,17 @@ class Digest:
         signature: 16 hex digits over what the sums are keyed on; a consumer
             compares only sums made with its own.
         sums: group -> global KV head -> the sum of each segment.
+        states: the state groups' digest (hybrid models), or None.
     """
 
     algorithm: str
     segment: int
     signature: str
     sums: Sums
+    states: StateDigest | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "alg": self.algorithm,
             "seg": self.segment,
             "sig": self.signature,
@@ -192,6 +230,9 @@ class Digest:
                 for g, heads in self.sums.items()
             },
         }
+        if self.states is not None:
+            out["st"] = self.states.to_json()
+        return out
 
 
 def segment_for(num_tokens: int) -> int:
@@ -392,4 +433,17 @@ def _read_digest(raw: Any, num_tokens: int, limits: Limits) -> tuple[Digest | No
                 return None, "malformed"
             per_head[head] = tuple(int(v, 16) for v in row)
         sums[group] = per_head
-    return Digest(wire.alg, wire.seg, wire.sig, sums), "ok"
+    states = None
+    if wire.st is not None:
+        state_sums: StateSums = {}
+        for g, shards in wire.st.g.items():
+            if int(g) >= limits.num_groups:
+                return None, "malformed"
+            per_shard: dict[int, int] = {}
+            for r, v in shards.items():
+                if int(r) >= MAX_STATE_SHARDS:
+                    return None, "malformed"
+                per_shard[int(r)] = int(v, 16)
+            state_sums[int(g)] = per_shard
+        states = StateDigest(wire.st.alg, wire.st.sig, state_sums)
+    return Digest(wire.alg, wire.seg, wire.sig, sums, states), "ok"

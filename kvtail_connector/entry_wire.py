@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-__all__ = ["ValidationError", "WireDigest", "WireEntry", "WireGeometry"]
+__all__ = ["ValidationError", "WireDigest", "WireEntry", "WireGeometry", "WireStates"]
 
 _Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 _HexU64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{16}$")]
@@ -42,6 +42,14 @@ class WireEntry(BaseModel):
     mac: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
 
 
+class WireStates(BaseModel):
+    model_config = _STRICT
+
+    alg: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    sig: _Hex16
+    g: dict[_Key, dict[_Key, _HexU64]]
+
+
 class WireDigest(BaseModel):
     model_config = _STRICT
 
@@ -49,3 +57,4 @@ class WireDigest(BaseModel):
     seg: _Count
     sig: _Hex16
     g: dict[_Key, dict[_Key, list[_HexU64]]]
+    st: WireStates | None = None

@@ -11,6 +11,7 @@ KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
   3: LoadRecord.expected; KVTailMetadata.producer_digests;
      KVTailWorkerMeta.digests and verdicts (``verify_kv``).
   4: KVTailMetadata.failing; KVTailWorkerMeta.false_vouches.
+  5: LoadRecord.states; DigestPart.states (state groups digested).
 
 This protocol is in-process (scheduler <-> workers of one engine); what
 crosses from a producer to a consumer is the ``kvtail`` entry
@@ -28,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtail_connector.entry import Digest, Sums
+from kvtail_connector.entry import Digest, StateDigest, StateSums, Sums
 
-KVTAIL_PROTOCOL_VERSION = 4
+KVTAIL_PROTOCOL_VERSION = 5
 MASK64 = (1 << 64) - 1
 
 NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
@@ -78,6 +79,11 @@ class LoadRecord:
 
     ``expected``: the producer's digest the consumer verifies the load against
     (``verify_kv: digest``), or None.
+
+    ``states``: per state (Mamba / linear-attention) group the load writes,
+    or the producer's prompt holds, the block holding the request's state
+    after the prompt (``GroupLoad`` with one block id; ``first_block``: its
+    index in the request's block list); only for ``verify_kv``.
     """
 
     req_id: str
@@ -86,6 +92,7 @@ class LoadRecord:
     groups: tuple[GroupLoad, ...]
     vouched: bool = False
     expected: ExpectedDigest | None = None
+    states: tuple[GroupLoad, ...] = ()
 
 
 @dataclass
@@ -116,6 +123,51 @@ class KVTailMetadata(KVConnectorMetadata):
     version: int = KVTAIL_PROTOCOL_VERSION
 
 
+class StatePart:
+    """One request's state-group sums from the worker ranks folded into it
+    (each rank adds its own TP shard's sums); ``resolve`` as for
+    :class:`DigestPart`."""
+
+    def __init__(
+        self,
+        algorithm: str,
+        signature: str,
+        sums: StateSums | None = None,
+        resolve: Callable[[], StateSums] | None = None,
+    ) -> None:
+        assert (sums is None) != (resolve is None), "sums or a way to them"
+        self.algorithm = algorithm
+        self.signature = signature
+        self._sums = sums
+        self._resolve = resolve
+
+    def sums(self) -> StateSums:
+        if self._sums is None:
+            assert self._resolve is not None
+            self._sums, self._resolve = self._resolve(), None
+        return self._sums
+
+    def digest(self) -> StateDigest | None:
+        if not self.signature:
+            return None
+        return StateDigest(self.algorithm, self.signature, self.sums())
+
+    def merged(self, other: StatePart) -> StatePart:
+        """Both parts' shards; the same shard twice (a replayed output) must
+        hold the same sum, else the digest is dropped."""
+        same = (self.algorithm, self.signature) == (other.algorithm, other.signature)
+        out: StateSums = {g: dict(shards) for g, shards in self.sums().items()}
+        for g, shards in other.sums().items():
+            mine = out.setdefault(g, {})
+            for r, v in shards.items():
+                if mine.setdefault(r, v) != v:
+                    same = False
+        return StatePart(self.algorithm, self.signature if same else "", out)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StatePart, (self.algorithm, self.signature, self.sums(), None))
+
+
 class DigestPart:
     """One request's digest sums from the worker ranks folded into it.
 
@@ -131,6 +183,7 @@ class DigestPart:
             ``resolve`` given.
         resolve: returns the sums (waits for the device).
         ranks: ranks folded into this part.
+        states: the state groups' part (hybrid models), or None.
     """
 
     def __init__(
@@ -141,12 +194,14 @@ class DigestPart:
         sums: Sums | None = None,
         resolve: Callable[[], Sums] | None = None,
         ranks: int = 1,
+        states: StatePart | None = None,
     ) -> None:
         assert (sums is None) != (resolve is None), "sums or a way to them"
         self.algorithm = algorithm
         self.segment = segment
         self.signature = signature
         self.ranks = ranks
+        self.states = states
         self._sums = sums
         self._resolve = resolve
 
@@ -160,7 +215,8 @@ class DigestPart:
         """The entry's ``dg``, or None where the ranks disagreed on what they digested."""
         if not self.signature:
             return None
-        return Digest(self.algorithm, self.segment, self.signature, self.sums())
+        states = self.states.digest() if self.states is not None else None
+        return Digest(self.algorithm, self.segment, self.signature, self.sums(), states)
 
     def merged(self, other: DigestPart) -> DigestPart:
         """Both parts' sums added (mod 2**64), per group, head and segment:
@@ -182,14 +238,33 @@ class DigestPart:
                 else:
                     mine[h] = tuple((a + b) & MASK64 for a, b in zip(have, row, strict=True))
         signature = self.signature if same else ""
+        # A rank without states (none registered) leaves the fold without them.
+        states = (
+            self.states.merged(other.states)
+            if self.states is not None and other.states is not None
+            else None
+        )
         return DigestPart(
-            self.algorithm, self.segment, signature, out, ranks=self.ranks + other.ranks
+            self.algorithm,
+            self.segment,
+            signature,
+            out,
+            ranks=self.ranks + other.ranks,
+            states=states,
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             DigestPart,
-            (self.algorithm, self.segment, self.signature, self.sums(), None, self.ranks),
+            (
+                self.algorithm,
+                self.segment,
+                self.signature,
+                self.sums(),
+                None,
+                self.ranks,
+                self.states,
+            ),
         )
 
 

@@ -59,6 +59,8 @@ class TailPolicy:
             (``verify_kv: digest``).
         verifies_loads: as a consumer, digest what each async load wrote and
             compare it with the producer's sums (``verify_kv: digest``).
+        verify_kv_off: why ``verify_kv: auto`` is off on this engine (what
+            ``digest`` would be refused for), or None.
     """
 
     zeroes_tails: bool
@@ -76,6 +78,7 @@ class TailPolicy:
     trusts_read_claims: bool = False
     digests_prompts: bool = False
     verifies_loads: bool = False
+    verify_kv_off: str | None = None
 
     @property
     def needs_caches(self) -> bool:
@@ -119,15 +122,18 @@ def _digest_duties(
     producer_hook: ProducerHook | None,
     dcp_world_size: int,
     pipeline_parallel_size: int,
-) -> tuple[bool, bool]:
-    """``(digests_prompts, verifies_loads)`` for ``verify_kv``; where the digest
-    cannot work it is refused here, at start-up, never discovered per request.
+) -> tuple[bool, bool, str | None]:
+    """``(digests_prompts, verifies_loads, why_off)`` for ``verify_kv``; where
+    the digest cannot work, ``digest`` is refused here, at start-up, never
+    discovered per request, and ``auto`` turns both duties off (``why_off``:
+    the reason, for the start-up line).
 
     Raises:
-        ValueError: naming ``kv_connector_extra_config.verify_kv`` and why.
+        ValueError: ``digest`` where it cannot work, naming
+            ``kv_connector_extra_config.verify_kv`` and why.
     """
     if cfg.verify_kv == "off":
-        return False, False
+        return False, False, None
     refusal = None
     if not carries_producer_tail:
         refusal = (
@@ -157,10 +163,16 @@ def _digest_duties(
             "(a drafter writes draft KV past the prompt after the forward)"
         )
     if refusal is not None:
-        raise ValueError(f'{_VERIFY}: "digest" cannot work here: {refusal}. Set it to "off".')
+        if cfg.verify_kv == "auto":
+            # On wherever it can work, off elsewhere (the start-up line says why).
+            return False, False, refusal
+        raise ValueError(
+            f'{_VERIFY}: "digest" cannot work here: {refusal}. Set it to "auto" (on only '
+            'where it can work) or "off".'
+        )
     # kv_both with a drafter (a decode engine as vLLM's NIXL examples set it up):
     # it still verifies what it loads; it digests nothing it sends.
-    return is_producer and producer_hook is not None, is_consumer
+    return is_producer and producer_hook is not None, is_consumer, None
 
 
 def resolve_policy(
@@ -222,7 +234,7 @@ def resolve_policy(
         and producer_hook is not None
         and (zero or (needs_zeroing and sync_read))
     )
-    digest, verify = _digest_duties(
+    digest, verify, verify_off = _digest_duties(
         cfg,
         is_producer=is_producer,
         is_consumer=is_consumer,
@@ -254,4 +266,5 @@ def resolve_policy(
         trusts_read_claims=check and (cfg.vouch_tails == "trust" or by_layer),
         digests_prompts=digest,
         verifies_loads=verify,
+        verify_kv_off=verify_off,
     )

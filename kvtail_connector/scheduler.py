@@ -225,7 +225,12 @@ class TailScheduler:
         ):
             record = dataclasses.replace(record, vouched=True)
         if expected is not None:
-            record = dataclasses.replace(record, expected=expected)
+            states = (
+                self._verify.consumer_states(request, blocks)
+                if self._verify is not None and expected.digest.states is not None
+                else ()
+            )
+            record = dataclasses.replace(record, expected=expected, states=states)
         self._tails.add(record)
 
     def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvtail_connector.cache_sets import cache_sets
 from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker, Pending
 from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.features.kv_verification.rank_states import state_sets
 from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
 from kvtail_connector.features.producer_claims.worker import ClaimsWorker
@@ -132,9 +133,10 @@ class TailWorker:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
             return
         rank.register(sets)
-        for part in (self._verify, self._reads):
-            if part is not None:
-                part.register(sets)
+        if self._verify is not None:
+            self._verify.register(sets, state_sets(kv_caches, kv_cache_config, rank.groups))
+        if self._reads is not None:
+            self._reads.register(sets)
         zeroer = rank.zeroer
         assert zeroer is not None
         placement = rank.placement

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvtail_connector import _compat
 from kvtail_connector.containment import mark_inner
-from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.kvgroups import GroupInfo, state_block
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
 from kvtail_connector.tails import tail_block
 
@@ -39,6 +39,24 @@ def completing_prompts(
         if step <= 0 or not done < n <= done + step or manager is None:
             continue
         yield req_id, request, n, manager.get_block_ids(req_id)
+
+
+def state_loads(
+    groups: tuple[GroupInfo, ...], block_ids: Any, gids: Any = None
+) -> tuple[GroupLoad, ...]:
+    """Per state group (of ``gids``, default all): the block holding the
+    request's state (:func:`~kvtail_connector.kvgroups.state_block`);
+    vLLM's null block as :data:`NULL_BLOCK`."""
+    out = []
+    for info in groups:
+        if info.state_scratch is None or (gids is not None and info.group_id not in gids):
+            continue
+        found = state_block(block_ids[info.group_id], info.state_scratch)
+        if found is not None:
+            index, block = found
+            block = NULL_BLOCK if block == _compat.NULL_BLOCK_ID else block
+            out.append(GroupLoad(info.group_id, index, (block,)))
+    return tuple(out)
 
 
 def null_as_ours(ids: tuple[int, ...]) -> tuple[int, ...]:

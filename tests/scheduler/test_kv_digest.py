@@ -106,7 +106,7 @@ def test_a_producer_that_does_not_zero_still_sends_its_digest():
 
 
 def test_with_verify_kv_off_the_producer_sends_no_digest():
-    p = Harness("always", kv_role="kv_producer")
+    p = Harness("always", kv_role="kv_producer", verify_kv="off")
     params = prefill(p)
     assert "dg" not in params[entry.KEY]
     assert p.stats["digests_sent"] == 0
@@ -250,7 +250,7 @@ def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
 
 def test_with_verify_kv_off_the_consumer_does_not_verify(sent):
     p, params = sent
-    d = Harness("always", kv_role="kv_consumer")
+    d = Harness("always", kv_role="kv_consumer", verify_kv="off")
     d.add("c1", PROMPT, double_load_tokens=PROMPT, **routed(params))
     run_step(d.scheduler, d.worker)
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)

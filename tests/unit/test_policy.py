@@ -101,7 +101,9 @@ def test_the_probe_is_the_users_setting_and_the_policy_is_frozen():
 
 
 def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
-    cfg = KVTailConfig(backend="NixlConnector", zero_tails=zero_tails, vouch_tails=vouch)
+    cfg = KVTailConfig(
+        backend="NixlConnector", zero_tails=zero_tails, vouch_tails=vouch, verify_kv="off"
+    )
     args = dict.fromkeys(FACTS, False)
     args.update(is_producer=False, carries_producer_tail=True, producer_hook="wait_for_save")
     args.update(facts)
@@ -197,8 +199,29 @@ def test_verify_kv_digests_on_producers_and_verifies_on_consumers():
 def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     with pytest.raises(ValueError, match="kv_connector_extra_config.verify_kv") as e:
         _verify(**facts)
-    assert why in str(e.value) and '"off"' in str(e.value)
+    assert why in str(e.value) and '"off"' in str(e.value) and '"auto"' in str(e.value)
     _verify("off", **facts)  # off: never refused
+    # auto: off on this engine, never refused; the start-up line says why.
+    auto = _verify("auto", **facts)
+    assert not (auto.digests_prompts or auto.verifies_loads)
+    assert auto.verify_kv_off is not None and why in auto.verify_kv_off
+
+
+def test_verify_kv_defaults_to_auto():
+    assert KVTailConfig(backend="NixlConnector").verify_kv == "auto"
+
+
+def test_verify_kv_auto_is_digest_wherever_digest_works():
+    for facts in (
+        {"is_producer": True},
+        {"is_consumer": True},
+        {"is_producer": True, "is_consumer": True},
+        {"is_producer": True, "is_consumer": True, "producer_hook": None},
+        {"is_producer": True, "sync_read": True},
+    ):
+        auto, digest = _verify("auto", **facts), _verify("digest", **facts)
+        assert auto == digest, facts
+        assert auto.verify_kv_off is None
 
 
 def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_nothing():

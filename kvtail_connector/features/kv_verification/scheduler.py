@@ -19,6 +19,7 @@ from kvtail_connector.features.records import (
     completing_prompts,
     is_prefill_leg,
     null_as_ours,
+    state_loads,
 )
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
@@ -80,7 +81,16 @@ class VerificationScheduler:
                 continue
             ids = null_as_ours(tuple(block_ids[info.group_id][: -(-n // info.effective_block)]))
             groups.append(GroupLoad(info.group_id, 0, ids))
-        return LoadRecord(req_id, 0, n, tuple(groups))
+        states = state_loads(self._records.groups, block_ids)
+        return LoadRecord(req_id, 0, n, tuple(groups), states=states)
+
+    def consumer_states(self, request: Any, blocks: Any) -> tuple[GroupLoad, ...]:
+        """The state blocks a load writes (state groups the inner connector loads)."""
+        groups = self._records.groups
+        if all(info.state_scratch is None for info in groups):
+            return ()
+        loaded = set(self._records.loaded_groups(request))
+        return state_loads(groups, blocks.get_block_ids(), loaded)
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         req_id = request.request_id

@@ -17,8 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement, RankDigests
+from kvtail_connector.features.kv_verification.rank_states import RankStates, StateSet
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import DigestPart, LoadRecord
+from kvtail_connector.metadata import DigestPart, LoadRecord, combined_verdict
 
 logger = get_logger(__name__)
 
@@ -36,22 +37,33 @@ class VerificationWorker:
         self._verify_loads = verifies_loads
         self._digests: RankDigests | None = None
         self._released: RankDigests | None = None
+        # State groups (hybrids): checked beside the attention digests; a
+        # load both hold is released once both compared (``_waiting``
+        # between), a mismatch of either fails it.
+        self._states: RankStates | None = None
+        self._released_states: RankStates | None = None
+        self._waiting: set[str] = set()
+        self._bad: set[str] = set()
         self._records: list[LoadRecord] = []  # a producer's prompts bound this step
         self._parts: dict[str, DigestPart] = {}  # and their sums, for the worker metadata
 
-    def register(self, sets: list[CacheSet]) -> None:
-        self._released = None
+    def register(self, sets: list[CacheSet], states: list[StateSet] | None = None) -> None:
+        self._released = self._released_states = None
         self._digests = RankDigests(sets, self._heads)
+        ranks = RankStates(states or [], self._heads.tp_rank, self._heads.tp_size)
+        self._states = ranks if ranks else None
 
     def release(self) -> None:
         self._released, self._digests = self._digests, None
+        self._released_states, self._states = self._states, None
 
     def restore(self) -> None:
         self._digests, self._released = self._released, None
+        self._states, self._released_states = self._released_states, None
 
     def forget_released(self) -> None:
         """New caches supersede what sleep mode put away (never restored)."""
-        self._released = None
+        self._released = self._released_states = None
 
     # -------------------------------------------------------------- producer
 
@@ -62,7 +74,12 @@ class VerificationWorker:
         """In the producer hook, after the tails' zeroing."""
         records, self._records = self._records, []
         if records and self._digests is not None:
-            self._parts.update(self._digests.digest_prompts(records))
+            parts = self._digests.digest_prompts(records)
+            if self._states is not None:
+                for req_id, state in self._states.digest_prompts(records).items():
+                    if req_id in parts:
+                        parts[req_id].states = state
+            self._parts.update(parts)
 
     def take_parts(self) -> dict[str, DigestPart]:
         """The sums since the last call (for the worker metadata); prompts
@@ -86,15 +103,30 @@ class VerificationWorker:
         blocks to a forward."""
         if records and self._digests is not None:
             self._digests.check_loads(records)
+            if self._states is not None:
+                self._states.check_loads(records)
 
     def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
         """Completions whose digest is on its way are held; those compared now
-        are released, a mismatch as a failed load."""
-        digests = self._digests
+        (attention and state digests both, where both hold it) are released,
+        a mismatch as a failed load."""
+        digests, states = self._digests, self._states
         if not self._verify_loads or digests is None:
             return results
-        held = {r for r in results.finished_recving if r in digests}
-        released, mismatched = digests.release()
+        if states is None:
+            held = {r for r in results.finished_recving if r in digests}
+            released, mismatched = digests.release()
+        else:
+            held = {r for r in results.finished_recving if r in digests or r in states}
+            done_a, bad_a = digests.release()
+            done_s, bad_s = states.release()
+            self._bad |= bad_a | bad_s
+            done = done_a | done_s | self._waiting
+            still = digests.held | states.held
+            released = done - still
+            self._waiting = done & still
+            mismatched = released & self._bad
+            self._bad -= released
         if not held and not released:
             return results
         return KVConnectorTransferResults(
@@ -107,19 +139,35 @@ class VerificationWorker:
         """What :meth:`hold` returned has reached vLLM."""
         if self._verify_loads and self._digests is not None:
             self._digests.reported()
+            if self._states is not None:
+                self._states.reported()
 
     def drop_held(self) -> set[str]:
         """Every load held or released unreported, uncompared (after a
         contained failure: the caller reports them failed)."""
-        return self._digests.drop_held() if self._digests is not None else set()
+        dropped = self._digests.drop_held() if self._digests is not None else set()
+        if self._states is not None:
+            dropped |= self._states.drop_held()
+        dropped |= self._waiting
+        self._waiting, self._bad = set(), set()
+        return dropped
 
     def take_verdicts(self) -> dict[str, str]:
-        return self._digests.take_verdicts() if self._digests is not None else {}
+        verdicts = self._digests.take_verdicts() if self._digests is not None else {}
+        if self._states is not None:
+            for req_id, found in self._states.take_verdicts().items():
+                have = verdicts.get(req_id)
+                verdicts[req_id] = found if have is None else combined_verdict(have, found)
+        return verdicts
 
     def held(self) -> set[str]:
-        return self._digests.held if self._digests is not None else set()
+        held = self._digests.held if self._digests is not None else set()
+        if self._states is not None:
+            held |= self._states.held
+        return held | self._waiting
 
     @property
     def num_tracked(self) -> int:
         digests = self._digests.num_tracked if self._digests is not None else 0
-        return len(self._records) + len(self._parts) + digests
+        states = self._states.num_tracked + len(self._bad) if self._states is not None else 0
+        return len(self._records) + len(self._parts) + digests + states + len(self._waiting)
