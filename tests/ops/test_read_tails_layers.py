@@ -19,9 +19,17 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TAILS = [(5, 3), (2, 9), (7, 1)]  # (block, first slot) of three READ loads
 
 
-@pytest.mark.parametrize("device", DEVICES)
+# (device, zeroer implementation): CPU caches take torch unless told Triton
+# (the interpreter: the shared-work launches CUDA takes).
+PATHS = [("cpu", "auto"), ("cpu", "triton")] + (
+    [("cuda", "auto")] if torch.cuda.is_available() else []
+)
+
+
+@pytest.mark.parametrize(("device", "implementation"), PATHS)
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
-def test_each_layer_zeroes_its_own_tails_as_it_lands(device, layout):
+@pytest.mark.parametrize("whole", [False, True], ids=["tails", "with a whole block"])
+def test_each_layer_zeroes_its_own_tails_as_it_lands(device, implementation, layout, whole):
     backing = make_backing(
         layout, num_layers=4, num_pages=16, heads=2, slots=16, content=32, dtype=torch.bfloat16
     )
@@ -32,12 +40,20 @@ def test_each_layer_zeroes_its_own_tails_as_it_lands(device, layout):
         CacheSet(0, 1, 1, on_dev.views[:3], names[:3]),
         CacheSet(1, 2, 1, on_dev.views[3:], names[3:]),
     ]
-    by_layer = ReadTailsByLayer(sets)
+    by_layer = ReadTailsByLayer(sets, implementation=implementation)
     by_layer.zeroer.warmup()
     by_layer.arm("a", [(0, 5, 3), (0, 2, 9), (1, 3, 20)])
     by_layer.arm("b", [(0, 7, 1)])
+    if whole:  # a load whose READ started block-aligned on a DCP rank: first slot 0
+        by_layer.arm("c", [(0, 9, 0)])
     by_layer.stage()
     assert by_layer.num_pending == 4
+    # One work buffer for a set's layers on Triton, unless a whole block
+    # (rows the per-layer tables lack) sends the set to per-layer segments.
+    triton = by_layer.zeroer.implementation == "triton"
+    assert [w.armed.shared is not None for w in map(by_layer.peek, names)] == [
+        triton and not whole
+    ] * 3 + [triton]
     expected = backing.raw.clone()
     ref = rebase(backing.views, expected)
     gen = torch.Generator().manual_seed(0)
@@ -47,7 +63,7 @@ def test_each_layer_zeroes_its_own_tails_as_it_lands(device, layout):
         on_dev.views[i].view(torch.int8)[...] = noise.to(device)
         as_bytes[...] = noise
         if i < 3:
-            reference_zero_kv_blocks([ref[i]], (), TAILS)
+            reference_zero_kv_blocks([ref[i]], (9,) if whole else (), TAILS)
         else:
             reference_zero_kv_blocks([ref[i]], (), [(3, 20)], pages_per_block=2)
         work = by_layer.take(names[i])

@@ -22,16 +22,19 @@ from typing import NamedTuple
 import torch
 
 from kvtail_connector.cache_sets import CacheSet, TailBytes
-from kvtail_connector.ops.zero._step_zeroer import StagedGroups, StepZeroer
+from kvtail_connector.ops.zero._step_zeroer import SharedTails, StagedGroups, StepZeroer
 
 
 @dataclass
 class _Armed:
-    """One cache set's READ tails this step, staged for every layer of the set."""
+    """One cache set's READ tails this step, staged for every layer of the set:
+    one work buffer all its layers read (``shared``), or one segment per
+    layer (``staged``: whole blocks, layers of different geometry, torch)."""
 
     blocks_firsts: list[tuple[int, int]]
     owners: list[str]
-    staged: StagedGroups
+    shared: SharedTails | None
+    staged: StagedGroups | None
     # Slots per block -> the stale slots of every item together: a layer's
     # bytes are its slot bytes times that (one lookup per layer, not a pass).
     stale: dict[int, int]
@@ -44,7 +47,7 @@ class _Armed:
 
 
 class LayerWork(NamedTuple):
-    """What one layer has to zero (a tuple: built for every layer, every step)."""
+    """What one layer has to zero (a tuple: built as the layer lands)."""
 
     armed: _Armed
     k: int  # index in the set's layers (and in ``armed.staged``)
@@ -55,15 +58,21 @@ class LayerWork(NamedTuple):
         return [(self.group, b, f) for b, f in self.armed.blocks_firsts]
 
 
+# A layer's place: (cache set index, index in the set's layers, zeroer group).
+_Place = tuple[int, int, int]
+
+
 class ReadTailsByLayer:
     """One zeroer group per layer, and the READ tails each layer waits to zero.
 
     Args:
         sets: the worker's cache sets; set ``i``'s items ``(i, block, first)``
             become one item per layer of the set.
+        implementation: the zeroer's (``KVZeroer``); ``"auto"``: Triton on
+            CUDA caches, torch on CPU ones.
     """
 
-    def __init__(self, sets: list[CacheSet]) -> None:
+    def __init__(self, sets: list[CacheSet], implementation: str = "auto") -> None:
         self.layer_sets = [
             CacheSet(s.group_id, s.pages_per_block, s.tokens_per_state, [cache], [name])
             for s in sets
@@ -75,10 +84,28 @@ class ReadTailsByLayer:
             self._children.append(list(range(i, i + len(s.caches))))
             i += len(s.caches)
         self._names = [ls.layer_names[0] for ls in self.layer_sets]
-        self.zeroer = StepZeroer([([c], s.pages_per_block) for s in sets for c in s.caches])
+        self.zeroer = StepZeroer(
+            [([c], s.pages_per_block) for s in sets for c in s.caches],
+            implementation=implementation,  # type: ignore[arg-type]
+        )
         self._tail_bytes = TailBytes.of(self.layer_sets)
+        # Per set, its layers' places by name (merged into the pending ones
+        # in one C-level update per step), and per layer its own row table
+        # where the set's layers share one geometry (None: they do not).
+        self._places: list[dict[str, _Place]] = [
+            {self._names[child]: (s, k, child) for k, child in enumerate(children)}
+            for s, children in enumerate(self._children)
+        ]
+        self._tables: list[torch.Tensor | None] = [None] * len(self._names)
+        self._shares: list[bool] = []
+        for children in self._children:
+            tables = self.zeroer.layer_tables(children)
+            self._shares.append(tables is not None)
+            for child, table in zip(children, tables or (), strict=False):
+                self._tables[child] = table
         self._armed: list[list[tuple[str, int, int]]] = [[] for _ in sets]
-        self._work: dict[str, LayerWork] = {}
+        self._step: list[_Armed | None] = [None] * len(sets)
+        self._work: dict[str, _Place] = {}  # layers still to zero this step
         self._unrecorded = False  # launched since the last recorded event
 
     @property
@@ -96,7 +123,8 @@ class ReadTailsByLayer:
 
     def owners_pending(self) -> set[str]:
         """Requests with layers still to zero."""
-        return {owner for work in self._work.values() for owner in work.armed.owners}
+        sets = {s for s, _, _ in self._work.values()}
+        return {owner for s in sets for owner in self._batch(s).owners}
 
     def arm(self, owner: str, items: list[tuple[int, int, int]]) -> None:
         """Queue ``items`` (set index, block, first slot) of request ``owner``
@@ -111,29 +139,42 @@ class ReadTailsByLayer:
         every set is staged; if staging raises, nothing is pending and the
         armed items are dropped (never zeroed a step later, over KV the step
         in between wrote)."""
-        staged: list[tuple[list[int], _Armed]] = []
+        staged: list[tuple[int, _Armed]] = []
         try:
             for set_index, armed in enumerate(self._armed):
                 if not armed:
                     continue
                 children = self._children[set_index]
                 blocks_firsts = [(block, first) for _, block, first in armed]
+                shared = (
+                    self.zeroer.stage_shared(children, blocks_firsts)
+                    if self._shares[set_index]
+                    else None
+                )
                 batch = _Armed(
                     blocks_firsts,
                     [owner for owner, _, _ in armed],
-                    self.zeroer.stage_groups(children, blocks_firsts),
+                    shared,
+                    None
+                    if shared is not None
+                    else self.zeroer.stage_groups(children, blocks_firsts),
                     {},
                 )
-                staged.append((children, batch))
+                staged.append((set_index, batch))
         finally:
             for armed in self._armed:
                 armed.clear()
-        for children, batch in staged:
+        for set_index, batch in staged:
+            self._step[set_index] = batch
+            if batch.shared is not None:
+                self._work.update(self._places[set_index])
+                continue
+            assert batch.staged is not None
             spans = batch.staged.spans
             self._work.update(
-                (self._names[child], LayerWork(batch, k, child))
-                for k, child in enumerate(children)
-                if spans[k] is not None
+                (name, place)
+                for name, place in self._places[set_index].items()
+                if spans[place[1]] is not None
             )
 
     def reset(self) -> None:
@@ -142,6 +183,7 @@ class ReadTailsByLayer:
         for armed in self._armed:
             armed.clear()
         self._work.clear()
+        self._step = [None] * len(self._step)
 
     def nbytes(self, work: LayerWork) -> int:
         """Bytes ``work`` zeroes."""
@@ -149,13 +191,22 @@ class ReadTailsByLayer:
         group = work.group
         return tail_bytes.slot_bytes[group] * work.armed.stale_slots(tail_bytes.slots[group])
 
+    def peek(self, layer_name: str) -> LayerWork | None:
+        """The work of ``layer_name`` (None if it has none), left pending."""
+        place = self._work.get(layer_name)
+        return None if place is None else LayerWork(self._batch(place[0]), *place[1:])
+
     def take(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), removed."""
-        return self._work.pop(layer_name, None)
+        place = self._work.pop(layer_name, None)
+        if place is None:
+            return None
+        s, k, child = place
+        return LayerWork(self._batch(s), k, child)
 
     def take_all(self) -> list[LayerWork]:
         """Every layer's remaining work, removed."""
-        works = list(self._work.values())
+        works = [LayerWork(self._batch(s), k, child) for s, k, child in self._work.values()]
         self._work.clear()
         return works
 
@@ -163,7 +214,16 @@ class ReadTailsByLayer:
         """Launch ``work``; the done event is recorded only behind the last
         layer's launch (or by :meth:`record_done`)."""
         last = not self._work
-        work.armed.staged.launch(work.k, record_event=last)
+        shared = work.armed.shared
+        if shared is not None:
+            table = self._tables[work.group]
+            assert table is not None
+            shared.launch(shared.work, table)
+            if last:
+                self.zeroer.record_done()
+        else:
+            assert work.armed.staged is not None
+            work.armed.staged.launch(work.k, record_event=last)
         self._unrecorded = not last
 
     def record_done(self) -> None:
@@ -171,3 +231,8 @@ class ReadTailsByLayer:
         if self._unrecorded:
             self.zeroer.record_done()
             self._unrecorded = False
+
+    def _batch(self, set_index: int) -> _Armed:
+        batch = self._step[set_index]
+        assert batch is not None, "a pending layer's set was staged this step"
+        return batch

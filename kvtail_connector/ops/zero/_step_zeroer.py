@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from kvtail_connector.ops.zero.launcher import work_at
-from kvtail_connector.ops.zero.plan import Line, line_work, same_items_work
+from kvtail_connector.ops.zero.plan import Line, line_work, same_items_work, tail_work
 from kvtail_connector.ops.zero.zeroer import KVZeroer
 
 # What encoding needs of a group: any-cache slots, (count, chunks) of its tail
@@ -73,6 +73,14 @@ class StagedGroups:
         launch()
         if record_event:
             self.zeroer.record_done()
+
+
+class SharedTails(NamedTuple):
+    """One work buffer of tails that several groups' launches read, each with
+    its own row table (see :meth:`StepZeroer.stage_shared`)."""
+
+    work: torch.Tensor  # on the device
+    launch: Callable[[Any, torch.Tensor], None]  # (work, a group's table): no event
 
 
 class StepZeroer(KVZeroer):
@@ -165,6 +173,43 @@ class StepZeroer(KVZeroer):
         # int64), as the compiled kernel assumes of its work pointer.
         base = self._launcher.stage(np.concatenate([seg[0] for seg in segments if seg]))
         return StagedGroups(self, base, spans, [])
+
+    def layer_tables(self, groups: Sequence[int]) -> list[torch.Tensor] | None:
+        """Per group of ``groups``, a row table of its own holding only that
+        group's tail rows (first row 0), for :meth:`stage_shared`; None where
+        the groups differ in geometry or this is the torch path. Built once:
+        each is a fresh allocation (16-byte aligned, as the kernel assumes)."""
+        if self._launcher is None or self._uniform_facts(tuple(groups)) is None:
+            return None
+        rows = self._launcher.rows
+        return [
+            rows[start : start + count].clone()
+            for start, count, _ in map(self._line_facts.__getitem__, groups)
+        ]
+
+    def stage_shared(
+        self, groups: Sequence[int], blocks_firsts: Sequence[tuple[int, int]]
+    ) -> SharedTails | None:
+        """Stage one work buffer zeroing the ``(block, first slot)`` tails in
+        any of ``groups`` (one geometry, :meth:`layer_tables`), each launch
+        reading it with that group's own table: a layer's launch then costs
+        the kernel launch alone, and staging one copy, whatever the layers.
+        None where it cannot (a whole block, whose rows the tables lack;
+        nothing to zero; groups of different geometry; the torch path): use
+        :meth:`stage_groups`."""
+        facts = self._uniform_facts(tuple(groups))
+        launcher = self._launcher
+        if facts is None or launcher is None or not blocks_firsts:
+            return None
+        any_slots, (count, chunks), _ = facts
+        bf = np.asarray(blocks_firsts, dtype=np.int64).reshape(-1, 2)
+        if not count or (bf[:, 1] == 0).any():
+            return None
+        tails = bf[bf[:, 1] < any_slots]
+        if not len(tails):
+            return None
+        work, units = tail_work(tails, count, chunks)
+        return SharedTails(launcher.stage(work), launcher.launch_with(units))
 
     def record_done(self) -> None:
         """Record :attr:`last_launch_done` behind every launch so far (CUDA)."""

@@ -95,6 +95,10 @@ def launch_jit(grid: int, work: torch.Tensor, rows: torch.Tensor) -> None:
     kernel()[(grid,)](work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, **COLUMNS)
 
 
+def _launch_jit_with(grid: int, work: Any, rows: torch.Tensor) -> None:
+    launch_jit(grid, _as_tensor(work), rows)
+
+
 def constexpr_args() -> list[int]:
     """The kernel's constexpr arguments in signature order (after the two
     tables), as the compiled kernel's launcher takes them: positionally."""
@@ -250,6 +254,18 @@ class KernelLauncher:
         if self._compiled is None:
             self._compiled = _Compiled(_as_tensor(work), self.rows)
         return self._compiled.bound(grid, work, self.rows)
+
+    def launch_with(self, units: int) -> Callable[[Any, torch.Tensor], None]:
+        """``f(work, rows)``: a launch over ``units`` work units with a row
+        table of the caller's (each layer its own, all sharing one work
+        buffer), no event recorded (see :meth:`record_done`). ``rows`` must
+        be an allocation of its own (16-byte aligned, as compiled)."""
+        grid = max(1, min(units, self.programs))
+        compiled = self._compiled
+        if self.device.type != "cuda" or compiled is None or not compiled.fast:
+            return functools.partial(_launch_jit_with, grid)
+        runner, constexprs = compiled._runner(grid), compiled._constexprs
+        return lambda work, rows: runner(work, rows, *constexprs)
 
     def record_done(self) -> None:
         """Record :attr:`last_done` behind everything launched so far (CUDA)."""

@@ -229,6 +229,22 @@ def encoded_work(encoded: Encoded) -> tuple[np.ndarray, int]:
     return work, units
 
 
+def tail_work(blocks_firsts: np.ndarray, count: int, chunks: int) -> tuple[np.ndarray, int]:
+    """The work buffer of tails ``blocks_firsts`` (int64 ``[n, 2]``: block,
+    first slot > 0) over rows ``[0, count)`` of a table, ``chunks`` chunks
+    each at most; and its work units."""
+    n = len(blocks_firsts)
+    header, units = work_header(0, 0, 0, n, count, chunks)
+    work = np.empty(HEADER_WORDS + n * ITEM_COLS, dtype=np.int64)
+    work[:HEADER_WORDS] = header
+    body = work[HEADER_WORDS:].reshape(n, ITEM_COLS)
+    body[:, ITEM_COLUMN["block"]] = blocks_firsts[:, 0]
+    body[:, ITEM_COLUMN["first_slot"]] = blocks_firsts[:, 1]
+    body[:, ITEM_COLUMN["first_row"]] = 0
+    body[:, ITEM_COLUMN["row_count"]] = count
+    return work, units
+
+
 def same_items_work(
     row_starts: tuple[np.ndarray, np.ndarray],
     blocks_firsts: Sequence[tuple[int, int]],
