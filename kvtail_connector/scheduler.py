@@ -196,6 +196,10 @@ class TailScheduler:
                 self._reads.allocated(request, blocks, local, loaded, claim)
             return
         records, policy = self._records, self._policy
+        if expected is not None and expected.num_tokens < loaded and self._verify is not None:
+            # Tokens [n, loaded) would go uncompared yet counted verified.
+            self._verify.unrecorded()
+            expected = None
         # Once per load: vLLM builds the id lists block by block.
         block_ids = blocks.get_block_ids()
         loaded_groups = records.loaded_groups(request)
@@ -226,7 +230,7 @@ class TailScheduler:
             record = dataclasses.replace(record, vouched=True)
         if expected is not None:
             states = (
-                self._verify.consumer_states(request, blocks)
+                self._verify.consumer_states(block_ids, loaded_groups)
                 if self._verify is not None and expected.digest.states is not None
                 else ()
             )

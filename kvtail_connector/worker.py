@@ -267,8 +267,9 @@ class TailWorker:
         ``results``, after zeroing what completed, with completions held back
         while their zeroing has not executed (``holds_completions``) and,
         with ``verify_kv``, while their digest is not on the host."""
+        verify = self._verify
         if not (results.finished_recving or finished_req_ids or self._tails.num_held) and (
-            self._verify is None
+            verify is None or verify.idle
         ):
             # The usual pass: nothing completed or finished, nothing held.
             return results
@@ -279,7 +280,6 @@ class TailWorker:
                 results.finished_recving, results.failed_recving, inner
             )
         results = self._tails.hold(results, zeroed)
-        verify = self._verify
         if verify is not None:
             results = verify.hold(results)
         results = self._errors.report_failing(results, finished_req_ids)

@@ -84,13 +84,14 @@ class VerificationScheduler:
         states = state_loads(self._records.groups, block_ids)
         return LoadRecord(req_id, 0, n, tuple(groups), states=states)
 
-    def consumer_states(self, request: Any, blocks: Any) -> tuple[GroupLoad, ...]:
-        """The state blocks a load writes (state groups the inner connector loads)."""
+    def consumer_states(self, block_ids: Any, loaded_groups: Any) -> tuple[GroupLoad, ...]:
+        """The state blocks a load writes (state groups the inner connector
+        loads): ``block_ids`` the request's, per group; ``loaded_groups`` the
+        inner connector's ``get_loaded_kv_cache_group_ids``."""
         groups = self._records.groups
         if all(info.state_scratch is None for info in groups):
             return ()
-        loaded = set(self._records.loaded_groups(request))
-        return state_loads(groups, blocks.get_block_ids(), loaded)
+        return state_loads(groups, block_ids, set(loaded_groups))
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         req_id = request.request_id
@@ -127,7 +128,8 @@ class VerificationScheduler:
     # -------------------------------------------------------------- consumer
 
     def unrecorded(self) -> None:
-        """A load with a digest wrote no group a digest covers."""
+        """A load with a digest wrote no group a digest covers, or tokens past
+        the ones the digest covers (nothing would compare them)."""
         self._stats.add("digests_skipped", 1)
 
     def count_verdicts(

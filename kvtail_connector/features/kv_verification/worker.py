@@ -160,6 +160,18 @@ class VerificationWorker:
                 verdicts[req_id] = found if have is None else combined_verdict(have, found)
         return verdicts
 
+    @property
+    def idle(self) -> bool:
+        """No completion waits for a digest and no verdict is pending: a pass
+        with nothing completed has nothing here to do (a conservative test:
+        a pending verdict counts as not idle)."""
+        digests, states = self._digests, self._states
+        return (
+            not self._waiting
+            and (digests is None or not digests.num_tracked)
+            and (states is None or not states.num_tracked)
+        )
+
     def held(self) -> set[str]:
         held = self._digests.held if self._digests is not None else set()
         if self._states is not None:
