@@ -26,8 +26,9 @@ that orders after the zeroing:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Set
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
+from itertools import repeat
+from typing import NamedTuple, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -116,13 +117,12 @@ class ConsumerTailsWorker:
 
     def completed(self, finished_recving: Iterable[str]) -> list[Pending]:
         """The tracked loads among ``finished_recving``, forgotten here."""
-        loads = self._loads
-        if isinstance(finished_recving, Set) and loads.keys() >= finished_recving:
-            # The usual pass: every completion is a load of ours.
-            done = list(map(loads.pop, finished_recving))
-        else:
-            done = [loads.pop(req) for req in finished_recving if req in loads]
-        return done
+        # One C-level pass; a completion not ours pops as None (rare: loads
+        # block-aligned where only tails are recorded).
+        done: list[Pending | None] = list(map(self._loads.pop, finished_recving, repeat(None)))
+        if None in done:
+            return [p for p in done if p is not None]
+        return cast(list[Pending], done)
 
     @property
     def any_abandoned(self) -> bool:
