@@ -131,20 +131,16 @@ class KVTailStats(KVConnectorStats):
     def take(self, inner: KVConnectorStats | None) -> KVTailStats:
         """A snapshot carrying ``inner`` (the inner connector's stats, filed
         under :attr:`inner_connector`); this object's counters restart at 0."""
-        snap = KVTailStats(
-            data={name: int(self.data[name]) for name in COUNTERS},
-            inner_connector=self.inner_connector,
-        )
-        if inner is not None:
-            if self.inner_connector is None:
-                raise ValueError("KVTailStats(inner_connector=...) is needed to carry inner stats")
-            snap.inner_stats[self.inner_connector] = inner
-        for name in GAUGES:
-            if name in self.data:
-                snap.data[name] = int(self.data.pop(name))
+        path = self.inner_connector
+        if inner is not None and path is None:
+            raise ValueError("KVTailStats(inner_connector=...) is needed to carry inner stats")
+        # The counters and gauges move to the snapshot whole (add and
+        # set_gauge store ints); this object restarts from zeros, no gauge.
+        data, self.data = self.data, dict.fromkeys(COUNTERS, 0)
+        snap = KVTailStats(data=data, inner_connector=path)
+        if inner is not None and path is not None:
+            snap.inner_stats[path] = inner
         snap._touched = self._touched
-        for name in COUNTERS:
-            self.data[name] = 0
         self._touched = False
         return snap
 
