@@ -133,6 +133,29 @@ def test_every_dtype_alignment_and_chunking_matches_the_reference(implementation
             assert int(got[i, j]) & MASK == want, (i, j)
 
 
+@pytest.mark.gpu
+def test_the_kernel_on_cuda_matches_the_reference() -> None:
+    # Real loads (vectors, words, bytes) and a GDN-sized state that spans
+    # many full tiles and chunks, with the default work split.
+    layers = _states_layers(
+        16,
+        [
+            (0, [(torch.bfloat16, (64, 3)), (torch.float32, (2, 64, 64))]),
+            (4, [(torch.float16, (33,)), (torch.int8, (7,))]),
+            (1, [(torch.bfloat16, (2, 1000)), (torch.float32, (3,))]),
+        ],
+        blocks=5,
+    )
+    cuda = [StateLayer(layer.pages.cuda(), layer.states) for layer in layers]
+    digester = StateDigester([(3, cuda)], shard=2)
+    assert digester.implementation == "triton"
+    blocks: list[list[int | None]] = [[4], [None], [0], [4]]
+    got = digester.digest(blocks).cpu()
+    for i, per in enumerate(blocks):
+        want = 0 if per[0] is None else _reference(3, layers, per[0], 2)
+        assert int(got[i, 0]) & MASK == want, i
+
+
 def test_the_kernel_loads_by_alignment() -> None:
     layers = _states_layers(13, [(0, [(torch.float32, (8,))]), (4, [(torch.float32, (8,))])], 4)
     layers.append(StateLayer(layers[0].pages[:, 1:], ((0, 8),)))

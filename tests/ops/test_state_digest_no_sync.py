@@ -10,13 +10,14 @@ import torch
 
 from kvtail_connector.ops.state_digest import StateDigester, StateLayer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 def test_digest_does_not_wait_for_queued_gpu_work() -> None:
     conv, ssm = 96, 512
     pages = torch.randint(0, 255, (8, conv + ssm), dtype=torch.uint8, device="cuda")
     digester = StateDigester([(1, [StateLayer(pages, ((0, conv), (conv, ssm)))])], shard=0)
+    assert digester.implementation == "triton"
     digester.digest([[3]])  # warm-up (allocator, kernels)
     torch.cuda.synchronize()
     stream = torch.cuda.current_stream()
