@@ -43,6 +43,7 @@ VLLM_STOOD_IN = install_if_absent()  # before anything below imports vLLM
 
 from kvtail_connector.ops.state_digest import StateDigester, StateLayer  # noqa: E402
 
+DEVICE = "cuda"  # tests/unit/test_bench_state_digest_cpu.py runs the rows on "cpu"
 REQUESTS = (1, 16, 64)
 # name -> (groups, layers per group, [(shape, dtype) per state])
 SHAPES = {
@@ -68,7 +69,7 @@ def build(shape: str, num_blocks: int) -> tuple[list[tuple[int, list[StateLayer]
     for g in range(n_groups):
         layers = []
         for _ in range(per_group):
-            pages = torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8, device="cuda")
+            pages = torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8, device=DEVICE)
             layers.append(StateLayer(pages, tuple(spans)))
         groups.append((g + 1, layers))
     return groups, n_groups * per_group * offset
@@ -106,7 +107,7 @@ def device_us(fn, reps: int) -> float:
 def floor_read(groups: list[tuple[int, list[StateLayer]]], blocks: list[list[int]]):
     """torch.sum over each layer's gathered pages (the digested prefix only)."""
     index = [
-        torch.tensor([per[j] for per in blocks], dtype=torch.int64, device="cuda")
+        torch.tensor([per[j] for per in blocks], dtype=torch.int64, device=DEVICE)
         for j in range(len(groups))
     ]
     end = max(o + n for o, n in groups[0][1][0].states)
