@@ -11,7 +11,11 @@ request count (1, 16, 64) this prints, for one ``StateDigester.digest`` call:
   kernel, so the host enqueues all of it before the GPU starts);
 - floor: device time of ``torch.sum`` over the gathered pages (``index_select``
   of each layer's pages, then one sum): a plain read of the digested bytes;
-- GB/s: digested bytes over the kernel's device time.
+- GB/s: digested bytes over the kernel's device time;
+- torch_*: the same for the torch path (what ran on CUDA before the kernel;
+  its blocking index copies wait for the sleep kernel, so its device time
+  includes the GPU waiting for the host), and same_sums: the kernel's sums
+  equal the torch path's (the run exits 1 where they do not).
 
 Shapes (vLLM's ``MambaStateShapeCalculator``; page = the states packed from
 offset 0, padded to 4 KiB; each layer's pages its own tensor):
