@@ -179,7 +179,7 @@ class StateDigest:
     the prompt (the block vLLM's transfer sends), per TP shard.
 
     Attributes:
-        algorithm: its own version (``mix64-state-1``, ``ops/state_digest.py``).
+        algorithm: its own version (``mix64-state-1``, ``ops/state_digest/reference.py``).
         signature: 16 hex digits over what the sums are keyed on (groups,
             layers, state shapes and dtypes, TP size); a consumer compares
             only sums made with its own.

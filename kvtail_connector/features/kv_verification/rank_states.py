@@ -8,7 +8,9 @@ P digests it in the producer hook (:meth:`RankStates.digest_prompts`), D
 digests what the load wrote before anything reads it
 (:meth:`RankStates.check_loads`), holds the completion until the sums are on
 the host and compares its own TP shard's sum with P's shard of the same rank
-(:meth:`RankStates.release`); the definition is in ``ops/state_digest.py``.
+(:meth:`RankStates.release`); the definition is in
+``ops/state_digest/reference.py``. On CUDA a digest call is one kernel launch
+that waits for nothing: its sums reach the host behind an event (``_launch``).
 The sums are keyed by group, layer, state and word, and the TP shard: the
 signature covers the layers' state shapes and dtypes and the TP size, so
 equal signatures mean the same shard layout.
