@@ -51,7 +51,7 @@ class TailPolicy:
         trusts_read_claims: mark a MoRIIO READ whose bound claim matches
             (``trust``, or ``auto`` where READ tails may be zeroed per layer);
             the worker skips its zeroing under ``trust``, and under ``auto``
-            only in a step whose READs are zeroed layer by layer (1.1-2.1 ms
+            only in a step whose READs are zeroed layer by layer (0.9-1.7 ms
             per step saved, benchmarks/RESULTS.md), not where one launch at
             start zeroes them all.
         digests_prompts: as a producer, digest each remote-decode prompt's KV
