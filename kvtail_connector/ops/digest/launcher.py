@@ -10,8 +10,11 @@ the heads it holds.
 On CUDA one call is one host-to-device copy (work table, zeroed output), ONE
 kernel launch for all requests, groups, layers and heads, and one
 non-blocking copy of the sums into pinned host memory followed by an event:
-nothing waits for the device until :meth:`PendingDigest.result`. Elsewhere
-(CPU caches) a vectorized torch path computes the same sums.
+nothing waits for the device until :meth:`PendingDigest.result`. The host
+work per request is O(1) in its length (its range, a slice of its block
+table, one vectorized range check); the kernel derives every slot's block,
+token and address. Elsewhere (CPU caches) a vectorized torch path computes
+the same sums.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from kvtail_connector.ops.digest.plan import (
     DigestGroup,
     GroupRows,
     GroupSpan,
+    KindPlan,
     Row,
     group_rows,
     row_table,
-    span_items,
+    span_request,
     work_buffer,
 )
 from kvtail_connector.ops.digest.reference import ALGORITHM
@@ -62,6 +66,12 @@ TILE = 1024
 NUM_WARPS = 4
 MAX_REGISTERS = 64
 PROGRAMS_PER_SM = 8
+# Tokens of one work unit (with one row): a power of two dividing the
+# segment. Smaller: more units to spread over the SMs (short requests, few
+# rows as in MLA); larger: fewer per-unit set-ups and atomic adds.
+CHUNK_TOKENS = 128
+NUM_STAGES = 1
+STREAM = False
 _INTERPRETER_PROGRAMS = 4
 _TILE_WORDS = (256, 128, 64, 32, 16, 8)
 
@@ -117,7 +127,7 @@ class GroupDigest:
     sums: np.ndarray
 
     def by_head(self) -> dict[int, list[int]]:
-        return {h: [int(v) for v in row] for h, row in zip(self.heads, self.sums, strict=True)}
+        return dict(zip(self.heads, self.sums.tolist(), strict=True))
 
 
 @dataclass
@@ -178,9 +188,13 @@ class KVDigester:
             any block size <= 256).
         implementation: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA, torch otherwise.
-        tile, num_warps, programs_per_sm, max_registers: launch tuning
-            (benchmarks only); ``tile`` is a ``(slots, words)`` pair of powers
-            of two; ``max_registers`` caps ptxas (0: no cap).
+        tile, num_warps, programs_per_sm, max_registers, chunk_tokens,
+            num_stages, stream: launch tuning (benchmarks only); ``tile`` is
+            a ``(slots, words)`` pair of powers of two; ``max_registers``
+            caps ptxas (0: no cap); ``chunk_tokens`` (a power of two, at most
+            ``segment``) the tokens of one work unit; ``num_stages`` the
+            software pipelining of the slot loop; ``stream`` loads cache
+            bytes evict-first.
 
     Raises:
         ValueError: naming the field, for invalid groups or options.
@@ -196,6 +210,9 @@ class KVDigester:
         num_warps: int | None = None,
         programs_per_sm: int = PROGRAMS_PER_SM,
         max_registers: int | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
+        num_stages: int = NUM_STAGES,
+        stream: bool = STREAM,
     ) -> None:
         if isinstance(groups, DigestGroup):
             raise ValueError("groups: expected a sequence of DigestGroup, got a single one")
@@ -203,6 +220,14 @@ class KVDigester:
         if segment < MIN_SEGMENT or segment & (segment - 1):
             raise ValueError(f"segment: must be a power of two >= {MIN_SEGMENT}, got {segment}")
         self.segment = segment
+        chunk_tokens = as_int("chunk_tokens", chunk_tokens, minimum=1)
+        if chunk_tokens & (chunk_tokens - 1) or chunk_tokens > segment:
+            raise ValueError(
+                f"chunk_tokens: must be a power of two <= segment ({segment}), got {chunk_tokens}"
+            )
+        self.chunk_tokens = chunk_tokens
+        self.num_stages = as_int("num_stages", num_stages, minimum=1)
+        self.stream = bool(stream)
         self.algorithm = ALGORITHM
         self._groups: list[GroupRows] = [group_rows(g, i) for i, g in enumerate(groups)]
         ids = [g.group_id for g in self._groups]
@@ -235,6 +260,7 @@ class KVDigester:
         # Compile only the load paths and the DCP mapping some row needs.
         self._any_mode = any(r.mode != MODE_VECTORS for r in all_rows)
         self._dcp_split = any(g.dcp[1] > 1 and g.dcp[2] > 1 for g in self._groups)
+        self._whole_slots = all(r.n_words <= self.tile[1] for r in all_rows)
         lanes = self.tile[0] * self.tile[1]
         self.num_warps = num_warps or max(1, min(NUM_WARPS, lanes // 256))
         # The general load paths need more registers than the cap allows.
@@ -281,12 +307,11 @@ class KVDigester:
         layout, kinds, n_cells = self._plan(requests)
         if self.implementation == "torch":
             cells = torch.zeros(n_cells, dtype=torch.int64, device=self.device)
-            for g, items in kinds:
-                slots = torch_path.expand_items(items)
-                torch_path.digest_rows(self._groups[g].rows, slots, cells)
+            for kind in kinds:
+                slots = torch_path.expand_requests(kind, self.segment)
+                torch_path.digest_rows(kind.group.rows, slots, cells)
             return PendingDigest(cells.cpu(), None, layout, launched=False)
-        table = [(items, len(self._groups[g].rows), self._row_start[g]) for g, items in kinds]
-        work, units, out_offset = work_buffer(table, n_cells, self._programs)
+        work, units, out_offset = work_buffer(kinds, n_cells, self.segment, self.chunk_tokens)
         if units == 0:
             return PendingDigest(torch.zeros(n_cells, dtype=torch.int64), None, layout, False)
         if self._staging is not None:
@@ -305,16 +330,21 @@ class KVDigester:
 
     def _plan(
         self, requests: Sequence[Sequence[GroupSpan | None]]
-    ) -> tuple[_Layout, list[tuple[int, np.ndarray]], int]:
+    ) -> tuple[_Layout, list[KindPlan], int]:
+        """Per request and group: a range, a table slice, where its cells are."""
         if isinstance(requests, GroupSpan) or not isinstance(requests, Sequence):
             raise ValueError("requests: expected a sequence (per request) of per-group spans")
-        per_group: list[list[np.ndarray]] = [[] for _ in self._groups]
+        groups = self._groups
+        kinds = [
+            KindPlan(g, first, [], []) for g, first in zip(groups, self._row_start, strict=True)
+        ]
         spans: list[list[tuple[int, int, tuple[int, ...]] | None]] = []
         n_cells = 0
+        segment, chunk = self.segment, self.chunk_tokens
         for q, request in enumerate(requests):
-            if not isinstance(request, Sequence) or len(request) != len(self._groups):
+            if not isinstance(request, Sequence) or len(request) != len(groups):
                 raise ValueError(
-                    f"requests[{q}]: expected one GroupSpan or None per group ({len(self._groups)})"
+                    f"requests[{q}]: expected one GroupSpan or None per group ({len(groups)})"
                 )
             row: list[tuple[int, int, tuple[int, ...]] | None] = []
             for g, span in enumerate(request):
@@ -323,15 +353,18 @@ class KVDigester:
                     continue
                 if not isinstance(span, GroupSpan):
                     raise ValueError(f"requests[{q}][{g}]: expected a GroupSpan or None")
-                group = self._groups[g]
-                items, n_seg = span_items(group, span, self.segment, n_cells, f"requests[{q}][{g}]")
+                group = groups[g]
+                table, (start, end, first_block, n_seg, chunks) = span_request(
+                    group, span, segment, chunk, f"requests[{q}][{g}]"
+                )
                 row.append((n_cells, n_seg, group.heads))
+                if chunks:
+                    kind = kinds[g]
+                    kind.tables.append(table)
+                    kind.requests.append((start, end, first_block, n_cells, n_seg, chunks))
                 n_cells += len(group.heads) * n_seg
-                if len(items):
-                    per_group[g].append(items)
             spans.append(row)
-        kinds = [(g, np.concatenate(parts)) for g, parts in enumerate(per_group) if parts]
-        return _Layout(spans), kinds, n_cells
+        return _Layout(spans), [k for k in kinds if k.requests], n_cells
 
     def _launch(self, work: torch.Tensor, units: int) -> None:
         from kvtail_connector.ops.digest.kernel import kv_digest_kernel
@@ -345,6 +378,9 @@ class KVDigester:
             WORDS=words,
             ANY_MODE=self._any_mode,
             DCP_SPLIT=self._dcp_split,
+            WHOLE_SLOTS=self._whole_slots,
+            STREAM=self.stream,
+            NUM_STAGES=self.num_stages,
             num_warps=self.num_warps,
             **(self._launch_options if self.device.type == "cuda" else {}),
         )
