@@ -16,7 +16,11 @@ from collections.abc import Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement, RankDigests
+from kvtail_connector.features.kv_verification.rank_digests import (
+    HeadPlacement,
+    PlannedPrompt,
+    RankDigests,
+)
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import DigestPart, LoadRecord
 
@@ -36,7 +40,9 @@ class VerificationWorker:
         self._verify_loads = verifies_loads
         self._digests: RankDigests | None = None
         self._released: RankDigests | None = None
-        self._records: list[LoadRecord] = []  # a producer's prompts bound this step
+        # A producer's prompts bound this step (planned, or records where no
+        # caches were registered yet).
+        self._records: list[PlannedPrompt | LoadRecord] = []
         self._parts: dict[str, DigestPart] = {}  # and their sums, for the worker metadata
 
     def register(self, sets: list[CacheSet]) -> None:
@@ -55,8 +61,18 @@ class VerificationWorker:
 
     # -------------------------------------------------------------- producer
 
-    def bind(self, producer_digests: Iterable[LoadRecord]) -> None:
-        self._records.extend(producer_digests)
+    def bind(
+        self, producer_digests: Iterable[LoadRecord], loads: Iterable[LoadRecord] = ()
+    ) -> None:
+        """Plan this step's producer prompts and, on a consumer, its new loads
+        carrying a digest, so that the hook and the completion only launch."""
+        digests = self._digests
+        if digests is None:
+            self._records.extend(producer_digests)
+            return
+        self._records.extend(digests.plan_prompts(producer_digests))
+        if self._verify_loads:
+            digests.plan_loads(loads)
 
     def digest_prompts(self) -> None:
         """In the producer hook, after the tails' zeroing."""

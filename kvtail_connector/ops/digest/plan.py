@@ -72,16 +72,20 @@ class GroupSpan:
     """The tokens ``[start, end)`` of one request in one group.
 
     Attributes:
-        block_ids: the request's manager block ids in the group; entry ``i``
-            covers tokens ``[i * eb, (i + 1) * eb)``, ``eb = P * N *
+        block_ids: the request's manager block ids in the group from block
+            ``first_block`` on; entry ``i`` covers tokens ``[(first_block +
+            i) * eb, (first_block + i + 1) * eb)``, ``eb = P * N *
             dcp_world_size``. Only the blocks holding tokens of ``[start,
-            end)`` are read (and checked).
-        start, end: the token range to digest.
+            end)`` are read (and checked). An int64 numpy array is taken as
+            is (a slice); other sequences are checked entry by entry.
+        start, end: the token range to digest (``start >= first_block * eb``).
+        first_block: the block ``block_ids[0]`` is.
     """
 
-    block_ids: Sequence[int]
+    block_ids: Sequence[int] | np.ndarray
     start: int
     end: int
+    first_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -306,21 +310,27 @@ def span_request(
     start = as_int(f"{name}.start", span.start, minimum=0)
     end = as_int(f"{name}.end", span.end, minimum=start)
     eb = g.tokens_per_block
+    skipped = as_int(f"{name}.first_block", span.first_block, minimum=0)
+    if start < skipped * eb:
+        raise ValueError(
+            f"{name}.start: {start} lies before first_block {skipped} (tokens from {skipped * eb})"
+        )
     blocks_needed = -(-end // eb) if eb else 0
     ids = span.block_ids
-    if blocks_needed > len(ids):
+    if blocks_needed > skipped + len(ids):
         raise ValueError(
             f"{name}.block_ids: tokens [{start}, {end}) need {blocks_needed} blocks of {eb} "
-            f"tokens, got {len(ids)}"
+            f"tokens, got {len(ids)} from block {skipped}"
         )
     n_seg = -(-end // segment)
     if start == end or not g.rows:
         return _NO_BLOCKS, (start, end, 0, n_seg, 0)
     first_block = start // eb
+    lo, hi = first_block - skipped, blocks_needed - skipped
     if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
-        table = ids[first_block:blocks_needed]
+        table = ids[lo:hi]
     else:
-        table = int_rows(ids[first_block:blocks_needed], 1, f"{name}.block_ids")[:, 0]
+        table = int_rows(ids[lo:hi], 1, f"{name}.block_ids")[:, 0]
     # Negative ids are huge as uint64: one reduction checks both bounds.
     if int(table.view(np.uint64).max()) >= g.num_blocks:
         bad = (table < 0) | (table >= g.num_blocks)
