@@ -217,6 +217,89 @@ def test_dcp_ranks_match_the_reference():
         check_paths([group], [b.raw], [[span]])
 
 
+# ------------------------------------------------------------ launch knobs
+
+# Each changes a code path of the kernel (benchmarks/digest_variants.py sweeps
+# their values on a GPU): a tile narrower than a slot's words (the word loop,
+# partial tiles), chunks smaller than a block and as large as a segment,
+# evict-first loads, software pipelining, one warp.
+LAUNCH_KNOBS = [
+    dict(tile=(2, 4)),
+    dict(tile=(4, 8), chunk_tokens=16),  # 12-word slots: a full and a partial word tile
+    dict(chunk_tokens=SEG, stream=True, num_stages=2),
+    dict(tile=(8, 2), chunk_tokens=32, num_warps=1),
+]
+TRITON_PATHS = [p for p in PATHS if p[0] == "triton"]
+
+
+@pytest.mark.skipif(not TRITON_PATHS, reason="needs Triton (TRITON_INTERPRET=1 or CUDA)")
+@pytest.mark.parametrize("knobs", LAUNCH_KNOBS, ids=str)
+def test_launch_knobs_keep_the_reference_sums(knobs):
+    full = make_backing(
+        "LBHNC", num_layers=2, num_pages=8, heads=2, slots=16, content=8, dtype=torch.bfloat16
+    )
+    paged = make_backing(
+        "LBNHC", num_layers=1, num_pages=8, heads=1, slots=8, content=12, dtype=torch.float32
+    )
+    idx = make_backing(
+        "LBHNC", num_layers=1, num_pages=6, heads=1, slots=16, content=20, dtype=torch.uint8
+    )
+    regions = (PageRegion(0, 12, first_slot=0, n_slots=8, slot_step=2), PageRegion(192, 5))
+    groups = [
+        DigestGroup(full.views, group_id=0),  # 4 words a slot
+        DigestGroup(paged.views, 2, group_id=1, dcp_rank=1, dcp_world_size=2, interleave=2),
+        DigestGroup([RegionCache(v, 16, regions) for v in idx.views], group_id=2),
+    ]
+    requests = [
+        [GroupSpan(blocks(8, 20), 5, 117), GroupSpan(blocks(4, 21), 3, 120), None],
+        [None, GroupSpan(blocks(4, 22), 0, 64), GroupSpan(blocks(6, 23), 17, 90)],
+        [GroupSpan(blocks(8, 24)[:4], 40, 40), None, GroupSpan([4, 1], 0, 32)],
+    ]
+    raws = [full.raw, paged.raw, idx.raw]
+    # The first two groups' rows are all 16-byte aligned (vector loads); the
+    # region cache's byte rows make a launch compile the general loads.
+    for n_groups in (2, 3):
+        spec = [as_spec(g) for g in groups[:n_groups]]
+        reqs = [r[:n_groups] for r in requests]
+        expected = reference_digest(spec, as_tuples(reqs), SEG)
+        for implementation, device in TRITON_PATHS:
+            moved = [
+                on_device(g, raw, device)[0]
+                for g, raw in zip(groups[:n_groups], raws, strict=False)
+            ]
+            digester = KVDigester(moved, segment=SEG, implementation=implementation, **knobs)
+            assert digester._any_mode == (n_groups == 3)
+            assert as_dicts(digester.digest(reqs).result()) == expected, (n_groups, device)
+
+
+class _NoPythonIteration(np.ndarray):
+    """A block table the planner may slice and reduce, never walk in Python."""
+
+    def __iter__(self):
+        raise AssertionError("iterated a block table in Python")
+
+    def tolist(self):
+        raise AssertionError("converted a block table to Python ints")
+
+
+@pytest.mark.parametrize(("implementation", "device"), PATHS, ids=PATH_IDS)
+def test_numpy_block_tables_from_a_first_block_are_planned_without_python_loops(
+    implementation, device
+):
+    b = make_backing(
+        "LBHNC", num_layers=2, num_pages=12, heads=2, slots=16, content=8, dtype=torch.bfloat16
+    )
+    table = blocks(12, 25)
+    expected = reference_digest([{"caches": list(b.views)}], [[(table, 3 * 16 + 5, 170)]], SEG)
+    moved, _ = on_device(DigestGroup(b.views), b.raw, device)
+    ids = np.array(table[3:], dtype=np.int64).view(_NoPythonIteration)
+    span = GroupSpan(ids, 3 * 16 + 5, 170, first_block=3)
+    got = KVDigester([moved], segment=SEG, implementation=implementation).digest([[span]])
+    assert as_dicts(got.result()) == expected
+    with pytest.raises(ValueError, match="lies before first_block"):
+        KVDigester([moved], segment=SEG).digest([[GroupSpan(ids, 40, 170, first_block=3)]])
+
+
 # -------------------------------------------------------------- sensitivity
 
 
@@ -409,6 +492,8 @@ def test_bad_input_names_the_field():
         (lambda: KVDigester([ok]).digest([[None, None]]), "requests[0]"),
         # The kernel API's integer rule: no bools, no floats.
         (lambda: KVDigester([ok], segment=1024.0), "segment"),
+        (lambda: KVDigester([ok], segment=256, chunk_tokens=512), "chunk_tokens"),
+        (lambda: KVDigester([ok], chunk_tokens=48), "chunk_tokens"),
         (lambda: KVDigester([dataclasses.replace(ok, counted_heads=[True])]), "counted_heads"),
         (lambda: KVDigester([ok]).digest([[GroupSpan([1.0], 0, 5)]]), "block_ids[0]"),
         (lambda: KVDigester([ok]).digest([[GroupSpan([1], 0, 5.0)]]), "requests[0][0].end"),

@@ -229,6 +229,13 @@ class RankDigests:
             if len(self._planned) > _MAX_PLANNED:
                 self._planned.popitem(last=False)
 
+    def forget_plans(self, req_ids: Iterable[str]) -> None:
+        """Drop the plans of loads that completed without being checked."""
+        planned = self._planned
+        if planned:
+            for req_id in req_ids:
+                planned.pop(req_id, None)
+
     def check_loads(self, records: Iterable[LoadRecord]) -> None:
         """Digest the received slots of completed loads whose producer sent a
         digest (``record.expected``), one launch per segment size, and hold

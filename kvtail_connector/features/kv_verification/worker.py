@@ -109,6 +109,9 @@ class VerificationWorker:
         digests = self._digests
         if not self._verify_loads or digests is None:
             return results
+        # Completed loads never digested (failed, aborted) leave no plan behind.
+        digests.forget_plans(results.finished_recving)
+        digests.forget_plans(results.failed_recving)
         held = {r for r in results.finished_recving if r in digests}
         released, mismatched = digests.release()
         if not held and not released:
