@@ -273,6 +273,7 @@ class KVDigester:
             self._programs = _sm_count(index) * programs_per_sm
         self._rows: torch.Tensor | None = None
         self._staging: PinnedStaging | None = None
+        self._compiled: _CompiledLaunch | None = None
         if implementation == "triton":
             self._rows = torch.from_numpy(row_table(all_rows)).to(self.device)
             if self.device.type == "cuda":
@@ -366,24 +367,84 @@ class KVDigester:
             spans.append(row)
         return _Layout(spans), [k for k in kinds if k.requests], n_cells
 
+    def _constexprs(self) -> dict[str, Any]:
+        slots, words = self.tile
+        return {
+            "SLOTS": slots,
+            "WORDS": words,
+            "ANY_MODE": self._any_mode,
+            "DCP_SPLIT": self._dcp_split,
+            "WHOLE_SLOTS": self._whole_slots,
+            "STREAM": self.stream,
+            "NUM_STAGES": self.num_stages,
+        }
+
     def _launch(self, work: torch.Tensor, units: int) -> None:
         from kvtail_connector.ops.digest.kernel import kv_digest_kernel
 
-        slots, words = self.tile
-        grid = (max(1, min(units, self._programs)),)
-        kv_digest_kernel[grid](
-            work,
-            self._rows,
-            SLOTS=slots,
-            WORDS=words,
-            ANY_MODE=self._any_mode,
-            DCP_SPLIT=self._dcp_split,
-            WHOLE_SLOTS=self._whole_slots,
-            STREAM=self.stream,
-            NUM_STAGES=self.num_stages,
-            num_warps=self.num_warps,
-            **(self._launch_options if self.device.type == "cuda" else {}),
-        )
+        grid = max(1, min(units, self._programs))
+        if self.device.type != "cuda":  # the interpreter
+            kv_digest_kernel[(grid,)](
+                work, self._rows, **self._constexprs(), num_warps=self.num_warps
+            )
+            return
+        if self._compiled is None:
+            self._compiled = _CompiledLaunch(
+                kv_digest_kernel,
+                work,
+                self._rows,
+                self._constexprs(),
+                {"num_warps": self.num_warps, **self._launch_options},
+            )
+        self._compiled(grid, work, self._rows)
+
+
+class _CompiledLaunch:
+    """The kernel compiled once for a digester, launched without re-binding.
+
+    ``JITFunction.__getitem__`` re-derives the specialization key on every
+    launch (~10 µs of host time); the work buffer (a fresh staging
+    allocation) and the row table are always 16-byte aligned and no integer
+    argument is specialized, so one binary serves every launch. Falls back to
+    the JIT launch where this Triton's compiled-kernel launcher takes other
+    arguments (as ``ops/zero/launcher.py`` does).
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        work: torch.Tensor,
+        rows: Any,
+        constexprs: dict[str, Any],
+        options: dict[str, Any],
+    ) -> None:
+        self._kernel, self._constexprs, self._options = kernel, constexprs, options
+        self._args = [constexprs[name] for name in kernel.arg_names[2:]]
+        self._runners: dict[int, Any] = {}
+        self._fast: Any = None
+        try:
+            compiled = kernel.warmup(work, rows, grid=(1,), **constexprs, **options)
+            runner = compiled[(1, 1, 1)]
+            empty = torch.zeros(HEADER, dtype=torch.int64, device=work.device)
+            empty[2] = HEADER  # no kinds, no units: reads nothing
+            runner(empty, rows, *self._args)
+            self._fast = compiled
+            self._runners[1] = runner
+        except Exception:  # noqa: BLE001 - any launcher mismatch means: use the JIT path
+            self._fast = None
+
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
+    def __call__(self, grid: int, work: torch.Tensor, rows: Any) -> None:
+        if self._fast is None:
+            self._kernel[(grid,)](work, rows, **self._constexprs, **self._options)
+            return
+        runner = self._runners.get(grid)
+        if runner is None:
+            runner = self._runners[grid] = self._fast[(grid, 1, 1)]
+        runner(work, rows, *self._args)
 
 
 def _tensors(caches: Sequence[Any]) -> list[torch.Tensor]:
