@@ -59,7 +59,6 @@ from kvtail_connector.ops.digest.launcher import (
     DigestGroup,
     GroupSpan,
     KVDigester,
-    PendingDigest,
 )
 
 logger = get_logger(__name__)
@@ -201,7 +200,7 @@ class RankDigests:
         parts: dict[str, DigestPart] = {}
         for segment, batch in _by_segment(planned, lambda p: p.segment):
             pending = self._digester(segment, producer=True).digest([p.spans for p in batch])
-            results = _memo(pending)
+            results = pending.result  # read once, when first needed
             for i, p in enumerate(batch):
                 parts[p.record.req_id] = DigestPart(
                     ALGORITHM,
@@ -255,7 +254,7 @@ class RankDigests:
             todo.append(load)
         for segment, batch in _by_segment(todo, lambda p: p.segment):
             pending = self._digester(segment, producer=False).digest([p.spans for p in batch])
-            results = _memo(pending)
+            results = pending.result  # read once, when first needed
             for i, load in enumerate(batch):
                 self._held[load.record.req_id] = _Check(
                     load, functools.partial(_row, results, i), pending.event
@@ -480,10 +479,6 @@ def _by_segment(items: Iterable[_T], segment_of: Callable[[_T], int]) -> list[tu
     for item in items:
         groups.setdefault(segment_of(item), []).append(item)
     return list(groups.items())
-
-
-def _memo(pending: PendingDigest) -> Any:
-    return functools.cache(pending.result)
 
 
 def _row(results: Any, index: int) -> Any:

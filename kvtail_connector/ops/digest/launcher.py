@@ -155,16 +155,24 @@ class PendingDigest:
         self.event = event
         self._layout = layout
         self.launched = launched
+        self._result: list[list[GroupDigest | None]] | None = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def result(self) -> list[list[GroupDigest | None]]:
         """Per request, per group: its :class:`GroupDigest`, or None where the
-        request had no span in the group. Waits for the event."""
+        request had no span in the group. Waits for the event; read once
+        (later calls return the same lists, the host buffer let go)."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> list[list[GroupDigest | None]]:
         if self.event is not None:
             self.event.synchronize()
         cells = self._host.numpy().view(np.uint64)
+        self._host = None  # type: ignore[assignment]
         out: list[list[GroupDigest | None]] = []
         for spans in self._layout.spans:
             row: list[GroupDigest | None] = []

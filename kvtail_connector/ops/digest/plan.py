@@ -369,40 +369,43 @@ def work_buffer(
     chunk of one request and one row (rows fastest). Only requests with
     chunks are listed.
     """
-    n_req = sum(len(k.requests) for k in kinds)
-    n_blocks = sum(len(t) for k in kinds for t in k.tables)
+    n_req = 0
+    n_blocks = 0
+    for k in kinds:
+        n_req += len(k.requests)
+        for t in k.tables:
+            n_blocks += len(t)
     req_offset = HEADER + KIND_COLS * len(kinds)
     table_offset = req_offset + REQ_COLS * n_req
     out_offset = table_offset + n_blocks
     work = np.zeros(out_offset + n_cells, dtype=np.int64)
     if n_blocks:
         work[table_offset:out_offset] = np.concatenate([t for k in kinds for t in k.tables])
-    reqs = work[req_offset:table_offset].reshape(-1, REQ_COLS)
-    units, r, pos = 0, 0, table_offset
-    for i, k in enumerate(kinds):
+    req_rows: list[tuple[int, ...]] = []
+    kind_rows: list[tuple[int, ...]] = []
+    units, pos = 0, table_offset
+    for k in kinds:
         chunks = 0
+        first_req = len(req_rows)
         for (start, end, first_block, cell, n_seg, n_chunks), table in zip(
             k.requests, k.tables, strict=True
         ):
-            reqs[r] = (pos - first_block, start, end, chunks, cell, n_seg, start // chunk, 0)
+            req_rows.append((pos - first_block, start, end, chunks, cell, n_seg, start // chunk, 0))
             chunks += n_chunks
-            r += 1
             pos += len(table)
         g = k.group
         rank, world, ilv = g.dcp
-        work[HEADER + i * KIND_COLS : HEADER + i * KIND_COLS + 10] = (
-            units,
-            len(g.rows),
-            k.first_row,
-            r - len(k.requests),
-            len(k.requests),
-            chunks,
-            g.tokens_per_block,
-            rank if world > 1 else 0,
-            ilv if world > 1 else 1,
-            ilv * world if world > 1 else 1,
+        dcp = (rank, ilv, ilv * world) if world > 1 else (0, 1, 1)
+        n_rows = len(g.rows)
+        kind_rows.append(
+            (units, n_rows, k.first_row, first_req, len(k.requests), chunks, g.tokens_per_block)
+            + dcp
+            + (0,) * (KIND_COLS - 10)
         )
-        units += chunks * len(g.rows)
+        units += chunks * n_rows
+    if kind_rows:
+        work[HEADER:req_offset] = np.array(kind_rows, dtype=np.int64).reshape(-1)
+        work[req_offset:table_offset] = np.array(req_rows, dtype=np.int64).reshape(-1)
     if units > MAX_INT32 or out_offset > MAX_INT32:
         raise ValueError(f"requests: {units} work units exceed one launch; split the call")
     work[:5] = (len(kinds), units, out_offset, segment, chunk)
