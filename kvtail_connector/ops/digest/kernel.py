@@ -64,9 +64,10 @@ def kv_digest_kernel(
     ``[start, end)``. Served slots are numbered ``q = i * n_slots + k`` (block
     ``i`` of the request, the row's ``k``-th served slot), in token order; the
     unit walks ``q`` from ``Q(lo)`` to ``Q(hi)`` (served slots of tokens
-    below), in tiles of ``SLOTS`` slots by ``WORDS`` words, and adds its sum to
-    its cell once (atomically: units of a cell run in any order). A chunk
-    lies in one segment, so a unit has one cell.
+    below), block by block (``i = q // n_slots``, once per block, its id loaded
+    one block ahead), in tiles of ``SLOTS`` slots by ``WORDS`` words, and adds
+    its sum to its cell once (atomically: units of a cell run in any order). A
+    chunk lies in one segment, so a unit has one cell.
 
     Row (one region of one kernel page of a manager block, for one layer and
     local head): base byte address (block 0), block stride, slot stride (both
@@ -134,70 +135,40 @@ def kv_digest_kernel(
         q_hi = _served_upto(t_hi, eb, rank, ilv, turn, first, step, n_slots)
 
         acc = tl.zeros([SLOTS, WORDS], dtype=tl.uint64)
-        if WHOLE_SLOTS:
-            # One word tile holds a slot's content: a single loop, pipelinable.
-            word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
-            for q0 in tl.range(q_lo, q_hi, SLOTS, num_stages=NUM_STAGES):
-                s_mask, slot_key, slot_off = _slot_tile(
-                    q0,
-                    s_lanes,
-                    q_hi,
-                    table,
-                    eb,
-                    rank,
-                    ilv,
-                    turn,
-                    first,
-                    step,
-                    n_slots,
-                    plane,
-                    block_stride,
-                    slot_stride,
-                    DCP_SPLIT,
-                )
-                acc += _tile_terms(
-                    (q0 + SLOTS <= q_hi) & (n_words == WORDS),
-                    base,
-                    slot_off,
-                    w_lanes,
-                    s_mask,
-                    slot_key[:, None] + word_key[None, :],
-                    n_words,
-                    run_bytes,
-                    mode,
-                    rw,
-                    SLOTS,
-                    WORDS,
-                    ANY_MODE,
-                    STREAM,
-                )
-        else:
-            for q0 in range(q_lo, q_hi, SLOTS):
-                s_mask, slot_key, slot_off = _slot_tile(
-                    q0,
-                    s_lanes,
-                    q_hi,
-                    table,
-                    eb,
-                    rank,
-                    ilv,
-                    turn,
-                    first,
-                    step,
-                    n_slots,
-                    plane,
-                    block_stride,
-                    slot_stride,
-                    DCP_SPLIT,
-                )
-                for w0 in range(0, n_words, WORDS):
-                    ws = w0 + w_lanes
-                    word_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+        # Block by block (no per-slot division): the unit's blocks are
+        # i_lo..i_last; each block's id is loaded one block ahead.
+        i_lo = q_lo // n_slots
+        i_last = (q_hi - 1) // n_slots
+        blk = tl.load(table + i_lo, mask=q_hi > q_lo, other=0)
+        word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
+        for i in range(i_lo, i_last + 1):
+            blk_next = tl.load(table + tl.minimum(i + 1, i_last))
+            k_lo = tl.maximum(q_lo - i * n_slots, 0)
+            k_hi = tl.minimum(q_hi - i * n_slots, n_slots)
+            blk_off = blk * block_stride
+            block_key = plane + (i * eb).to(tl.uint64) * POS_MUL
+            if WHOLE_SLOTS:
+                # One word tile holds a slot's content: a single loop, pipelinable.
+                for k0 in tl.range(k_lo, k_hi, SLOTS, num_stages=NUM_STAGES):
+                    s_mask, slot_key, slot_off = _slot_tile(
+                        k0,
+                        s_lanes,
+                        k_hi,
+                        blk_off,
+                        block_key,
+                        rank,
+                        ilv,
+                        turn,
+                        first,
+                        step,
+                        slot_stride,
+                        DCP_SPLIT,
+                    )
                     acc += _tile_terms(
-                        (q0 + SLOTS <= q_hi) & (w0 + WORDS <= n_words),
+                        (k0 + SLOTS <= k_hi) & (n_words == WORDS),
                         base,
                         slot_off,
-                        ws,
+                        w_lanes,
                         s_mask,
                         slot_key[:, None] + word_key[None, :],
                         n_words,
@@ -209,42 +180,73 @@ def kv_digest_kernel(
                         ANY_MODE,
                         STREAM,
                     )
+            else:
+                for k0 in range(k_lo, k_hi, SLOTS):
+                    s_mask, slot_key, slot_off = _slot_tile(
+                        k0,
+                        s_lanes,
+                        k_hi,
+                        blk_off,
+                        block_key,
+                        rank,
+                        ilv,
+                        turn,
+                        first,
+                        step,
+                        slot_stride,
+                        DCP_SPLIT,
+                    )
+                    for w0 in range(0, n_words, WORDS):
+                        ws = w0 + w_lanes
+                        w_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+                        acc += _tile_terms(
+                            (k0 + SLOTS <= k_hi) & (w0 + WORDS <= n_words),
+                            base,
+                            slot_off,
+                            ws,
+                            s_mask,
+                            slot_key[:, None] + w_key[None, :],
+                            n_words,
+                            run_bytes,
+                            mode,
+                            rw,
+                            SLOTS,
+                            WORDS,
+                            ANY_MODE,
+                            STREAM,
+                        )
+            blk = blk_next
         if q_hi > q_lo:
             tl.atomic_add(out_ptr + cell, tl.sum(acc).to(tl.int64, bitcast=True))
 
 
 @triton.jit
 def _slot_tile(
-    q0,
+    k0,
     s_lanes,
-    q_hi,
-    table,
-    eb,
+    k_hi,
+    blk_off,
+    block_key,
     rank,
     ilv,
     turn,
     first,
     step,
-    n_slots,
-    plane,
-    block_stride,
     slot_stride,
     DCP_SPLIT: tl.constexpr,
 ):
-    """Slots ``q0 + s_lanes`` of a unit: their mask, key base ``plane + t *
-    POS_MUL`` and offsets (the row's load units) from its base address."""
-    qs = q0 + s_lanes
-    s_mask = qs < q_hi
-    i = qs // n_slots  # the request's manager block
-    ks = qs - i * n_slots  # the row's served slot in it
-    blk = tl.load(table + i, mask=s_mask, other=0)
+    """Served slots ``k0 + s_lanes`` of one block of a unit: their mask, key
+    base ``plane + t * POS_MUL`` (``block_key`` is the block's first token's)
+    and offsets from the row's base (load units)."""
+    ks = k0 + s_lanes
+    s_mask = ks < k_hi
     local_slot = first + ks * step
     if DCP_SPLIT:
         t_in = rank * ilv + (local_slot // ilv) * turn + local_slot % ilv
     else:
         t_in = rank + local_slot * turn
-    slot_key = plane + (i * eb + t_in).to(tl.uint64) * POS_MUL
-    slot_off = blk * block_stride + ks.to(tl.int64) * slot_stride
+    slot_key = block_key + t_in.to(tl.uint64) * POS_MUL
+    slot_off = blk_off + ks.to(tl.int64) * slot_stride
     return s_mask, slot_key, slot_off
 
 
