@@ -272,6 +272,28 @@ def test_launch_knobs_keep_the_reference_sums(knobs):
             assert as_dicts(digester.digest(reqs).result()) == expected, (n_groups, device)
 
 
+@pytest.mark.parametrize(("implementation", "device"), PATHS, ids=PATH_IDS)
+def test_many_requests_of_mixed_lengths_in_one_launch(implementation, device):
+    # Units find their request by a binary search over the requests' chunks:
+    # empty, one-chunk and many-chunk requests, interleaved.
+    b = make_backing(
+        "LBHNC", num_layers=2, num_pages=64, heads=1, slots=16, content=8, dtype=torch.bfloat16
+    )
+    table = blocks(64, 26)
+    spans, used = [], 0
+    for start, end in [(0, 40), (7, 7), (3, 5), (16, 300), (0, 16), (250, 251), (31, 33), (0, 90)]:
+        need = -(-end // 16)
+        spans.append([GroupSpan(table[used : used + need], start, end)])
+        used += need
+    expected = reference_digest([as_spec(DigestGroup(b.views))], as_tuples(spans), SEG)
+    moved, _ = on_device(DigestGroup(b.views), b.raw, device)
+    for chunk in (16, 64):
+        digester = KVDigester(
+            [moved], segment=SEG, implementation=implementation, chunk_tokens=chunk
+        )
+        assert as_dicts(digester.digest(spans).result()) == expected, chunk
+
+
 class _NoPythonIteration(np.ndarray):
     """A block table the planner may slice and reduce, never walk in Python."""
 
@@ -454,6 +476,8 @@ def test_cuda_result_arrives_through_an_event(heads, slots, content, dtype):
     )
     digester = KVDigester([DigestGroup(b.views)])
     digester.warmup()
+    # Launched through the kernel compiled once, not re-bound per call.
+    assert digester._compiled is not None and digester._compiled.fast
     table = blocks(256, 12)
     requests = [
         [GroupSpan(table[:128], 0, 128 * slots - 3)],
