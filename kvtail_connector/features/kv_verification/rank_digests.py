@@ -413,7 +413,7 @@ class RankDigests:
         producer's sums and nothing differs)."""
         load = check.load
         record = load.record
-        segs = np.arange(load.segments.start, load.segments.stop)
+        lo, hi = load.segments.start, load.segments.stop
         compared = bad = 0
         missing = False
         first_bad: tuple[int, int, int] | None = None
@@ -421,16 +421,16 @@ class RankDigests:
             if mine is None or theirs is None:
                 continue
             table, sent = theirs
-            missing |= not sent.all()
-            # Only the heads the producer sent are compared.
-            differ = (mine.sums[:, segs] != table[:, segs]) & sent[:, None]
-            compared += int(sent.sum()) * len(segs)
-            n_bad = int(differ.sum())
-            if n_bad:
-                bad += n_bad
+            differ = mine.sums[:, lo:hi] != table[:, lo:hi]
+            if not sent.all():  # only the heads the producer sent are compared
+                missing = True
+                differ &= sent[:, None]
+            compared += int(sent.sum()) * (hi - lo)
+            if differ.any():
+                bad += int(differ.sum())
                 if first_bad is None:
                     k, s = np.argwhere(differ)[0]
-                    first_bad = (gid, mine.heads[int(k)], int(segs[s]))
+                    first_bad = (gid, mine.heads[int(k)], lo + int(s))
         if first_bad is not None:
             gid, head, s = first_bad
             expected = record.expected
