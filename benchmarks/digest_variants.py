@@ -114,10 +114,11 @@ def device_ms(fn, reps: int) -> float:
 def kernel_only(digester: KVDigester, requests) -> Any:
     """A function launching the kernel alone on a pre-staged work buffer (the
     sums it adds up are not read)."""
-    layout, kinds, n_cells = digester._plan(requests)
-    from kvtail_connector.ops.digest.plan import work_buffer
+    from kvtail_connector.ops.digest.plan import choose_chunk, work_buffer
 
-    work, units, _ = work_buffer(kinds, n_cells, digester.segment, digester.chunk_tokens)
+    _, kinds, n_cells, row_tokens = digester._plan(requests)
+    chunk = digester.chunk_tokens or choose_chunk(row_tokens, digester._programs, digester.segment)
+    work, units, _ = work_buffer(kinds, n_cells, digester.segment, chunk)
     staged = torch.from_numpy(work).to(digester.device)
     return lambda: digester._launch(staged, units)
 
@@ -132,11 +133,12 @@ def variants_for(default: KVDigester) -> list[tuple[str, dict[str, Any]]]:
     out += [(f"warps {n}", {"num_warps": n}) for n in (2, 8) if n != default.num_warps]
     out += [(f"prog/SM {n}", {"programs_per_sm": n}) for n in (4, 16, 32)]
     out += [("maxnreg 0", {"max_registers": 0}), ("maxnreg 96", {"max_registers": 96})]
-    out += [(f"chunk {n}", {"chunk_tokens": n}) for n in (32, 64, 256, 1024)]
+    out += [(f"chunk {n}", {"chunk_tokens": n}) for n in (32, 128, 512, 1024)]
     out += [("evict-first", {"stream": True})]
     out += [(f"stages {n}", {"num_stages": n}) for n in (2, 3)]
     out += [
         ("chunk 256 + prog/SM 16", {"chunk_tokens": 256, "programs_per_sm": 16}),
+        ("chunk 1024 + prog/SM 4", {"chunk_tokens": 1024, "programs_per_sm": 4}),
         ("evict-first + stages 2", {"stream": True, "num_stages": 2}),
         ("warps 8 + tile x2", {"num_warps": 8, "tile": (s * 2, w)}),
     ]
@@ -237,7 +239,8 @@ def main() -> int:
         want = [r[0].sums for r in default.digest(requests).result()]
         print(
             f"default: tile {default.tile}, warps {default.num_warps}, chunk "
-            f"{default.chunk_tokens}, stages {default.num_stages}, stream {default.stream}"
+            f"{default.chunk_tokens or 'per launch'}, stages {default.num_stages}, "
+            f"stream {default.stream}"
         )
         print("| variant | kernel ms | TB/s | / page read | / torch.sum | call ms |")
         print("|---|---:|---:|---:|---:|---:|")

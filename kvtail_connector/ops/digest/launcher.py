@@ -37,6 +37,7 @@ from kvtail_connector.ops.digest.plan import (
     GroupSpan,
     KindPlan,
     Row,
+    choose_chunk,
     group_rows,
     row_table,
     span_request,
@@ -66,10 +67,9 @@ TILE = 1024
 NUM_WARPS = 4
 MAX_REGISTERS = 64
 PROGRAMS_PER_SM = 8
-# Tokens of one work unit (with one row): a power of two dividing the
-# segment. Smaller: more units to spread over the SMs (short requests, few
-# rows as in MLA); larger: fewer per-unit set-ups and atomic adds.
-CHUNK_TOKENS = 128
+# Tokens of one work unit (with one row): None chooses per launch
+# (plan.choose_chunk); a power of two <= the segment fixes it.
+CHUNK_TOKENS: int | None = None
 NUM_STAGES = 1
 STREAM = False
 _INTERPRETER_PROGRAMS = 4
@@ -200,7 +200,8 @@ class KVDigester:
             num_stages, stream: launch tuning (benchmarks only); ``tile`` is
             a ``(slots, words)`` pair of powers of two; ``max_registers``
             caps ptxas (0: no cap); ``chunk_tokens`` (a power of two, at most
-            ``segment``) the tokens of one work unit; ``num_stages`` the
+            ``segment``; None: chosen per launch) the tokens of one work
+            unit; ``num_stages`` the
             software pipelining of the slot loop; ``stream`` loads cache
             bytes evict-first.
 
@@ -218,7 +219,7 @@ class KVDigester:
         num_warps: int | None = None,
         programs_per_sm: int = PROGRAMS_PER_SM,
         max_registers: int | None = None,
-        chunk_tokens: int = CHUNK_TOKENS,
+        chunk_tokens: int | None = CHUNK_TOKENS,
         num_stages: int = NUM_STAGES,
         stream: bool = STREAM,
     ) -> None:
@@ -228,11 +229,13 @@ class KVDigester:
         if segment < MIN_SEGMENT or segment & (segment - 1):
             raise ValueError(f"segment: must be a power of two >= {MIN_SEGMENT}, got {segment}")
         self.segment = segment
-        chunk_tokens = as_int("chunk_tokens", chunk_tokens, minimum=1)
-        if chunk_tokens & (chunk_tokens - 1) or chunk_tokens > segment:
-            raise ValueError(
-                f"chunk_tokens: must be a power of two <= segment ({segment}), got {chunk_tokens}"
-            )
+        if chunk_tokens is not None:
+            chunk_tokens = as_int("chunk_tokens", chunk_tokens, minimum=1)
+            if chunk_tokens & (chunk_tokens - 1) or chunk_tokens > segment:
+                raise ValueError(
+                    f"chunk_tokens: must be a power of two <= segment ({segment}) or None, "
+                    f"got {chunk_tokens}"
+                )
         self.chunk_tokens = chunk_tokens
         self.num_stages = as_int("num_stages", num_stages, minimum=1)
         self.stream = bool(stream)
@@ -313,14 +316,15 @@ class KVDigester:
         Raises:
             ValueError: naming ``requests[i][g]``: a bad range or block id.
         """
-        layout, kinds, n_cells = self._plan(requests)
+        layout, kinds, n_cells, row_tokens = self._plan(requests)
         if self.implementation == "torch":
             cells = torch.zeros(n_cells, dtype=torch.int64, device=self.device)
             for kind in kinds:
                 slots = torch_path.expand_requests(kind, self.segment)
                 torch_path.digest_rows(kind.group.rows, slots, cells)
             return PendingDigest(cells.cpu(), None, layout, launched=False)
-        work, units, out_offset = work_buffer(kinds, n_cells, self.segment, self.chunk_tokens)
+        chunk = self.chunk_tokens or choose_chunk(row_tokens, self._programs, self.segment)
+        work, units, out_offset = work_buffer(kinds, n_cells, self.segment, chunk)
         if units == 0:
             return PendingDigest(torch.zeros(n_cells, dtype=torch.int64), None, layout, False)
         if self._staging is not None:
@@ -339,8 +343,9 @@ class KVDigester:
 
     def _plan(
         self, requests: Sequence[Sequence[GroupSpan | None]]
-    ) -> tuple[_Layout, list[KindPlan], int]:
-        """Per request and group: a range, a table slice, where its cells are."""
+    ) -> tuple[_Layout, list[KindPlan], int, int]:
+        """Per request and group: a range, a table slice, where its cells are;
+        and the launch's tokens times rows."""
         if isinstance(requests, GroupSpan) or not isinstance(requests, Sequence):
             raise ValueError("requests: expected a sequence (per request) of per-group spans")
         groups = self._groups
@@ -349,7 +354,8 @@ class KVDigester:
         ]
         spans: list[list[tuple[int, int, tuple[int, ...]] | None]] = []
         n_cells = 0
-        segment, chunk = self.segment, self.chunk_tokens
+        segment = self.segment
+        row_tokens = 0
         for q, request in enumerate(requests):
             if not isinstance(request, Sequence) or len(request) != len(groups):
                 raise ValueError(
@@ -363,17 +369,18 @@ class KVDigester:
                 if not isinstance(span, GroupSpan):
                     raise ValueError(f"requests[{q}][{g}]: expected a GroupSpan or None")
                 group = groups[g]
-                table, (start, end, first_block, n_seg, chunks) = span_request(
-                    group, span, segment, chunk, f"requests[{q}][{g}]"
+                table, (start, end, first_block, n_seg) = span_request(
+                    group, span, segment, f"requests[{q}][{g}]"
                 )
                 row.append((n_cells, n_seg, group.heads))
-                if chunks:
+                if table is not None:
                     kind = kinds[g]
                     kind.tables.append(table)
-                    kind.requests.append((start, end, first_block, n_cells, n_seg, chunks))
+                    kind.requests.append((start, end, first_block, n_cells, n_seg))
+                    row_tokens += (end - start) * len(group.rows)
                 n_cells += len(group.heads) * n_seg
             spans.append(row)
-        return _Layout(spans), [k for k in kinds if k.requests], n_cells
+        return _Layout(spans), [k for k in kinds if k.requests], n_cells, row_tokens
 
     def _constexprs(self) -> dict[str, Any]:
         slots, words = self.tile

@@ -36,6 +36,11 @@ ROW_COLS = 16
 MODE_BYTES, MODE_WORDS, MODE_VECTORS = 0, 1, 2
 # Units and in-block offsets are int32 inside the kernel.
 MAX_INT32 = 2**31 - 1
+# Tokens of a work unit (choose_chunk): powers of two; programs get at least
+# UNITS_PER_PROGRAM units where the launch has the tokens for it.
+MIN_CHUNK = 16
+MAX_CHUNK = 512
+UNITS_PER_PROGRAM = 4
 
 
 @dataclass(frozen=True)
@@ -291,17 +296,16 @@ def row_table(rows: Sequence[Row]) -> np.ndarray:
 
 
 def span_request(
-    g: GroupRows, span: GroupSpan, segment: int, chunk: int, name: str
-) -> tuple[np.ndarray, tuple[int, int, int, int, int]]:
-    """The block table of one request's span in one group and its request
-    row's fields ``(start, end, first block, n_seg, chunks)``.
+    g: GroupRows, span: GroupSpan, segment: int, name: str
+) -> tuple[np.ndarray | None, tuple[int, int, int, int]]:
+    """The block table of one request's span in one group (None when there
+    is nothing to read) and its request row's fields ``(start, end, first
+    block, n_seg)``.
 
     The table holds the span's blocks from ``start // eb`` to the last one
     with a token below ``end`` (``int64``; the kernel reads entry ``i - first
-    block`` for manager block ``i``). ``chunks`` is the number of
-    ``chunk``-token chunks of ``[start, end)`` (0 when there is nothing to
-    read). Cost: O(1) in Python, a slice and one vectorized range check of
-    the blocks when ``block_ids`` is an integer numpy array (a sequence is
+    block`` for manager block ``i``). Cost: O(1) in Python, a slice and one
+    vectorized range check of the blocks when ``block_ids`` is an integer numpy array (a sequence is
     checked entry by entry, by the kernel API's integer rule).
 
     Raises:
@@ -324,7 +328,7 @@ def span_request(
         )
     n_seg = -(-end // segment)
     if start == end or not g.rows:
-        return _NO_BLOCKS, (start, end, 0, n_seg, 0)
+        return None, (start, end, 0, n_seg)
     first_block = start // eb
     lo, hi = first_block - skipped, blocks_needed - skipped
     if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
@@ -336,11 +340,18 @@ def span_request(
         bad = (table < 0) | (table >= g.num_blocks)
         block = int(table[int(np.argmax(bad))])
         raise ValueError(f"{name}.block_ids: block id {block} out of range [0, {g.num_blocks})")
-    chunks = -(-end // chunk) - start // chunk
-    return table, (start, end, first_block, n_seg, chunks)
+    return table, (start, end, first_block, n_seg)
 
 
-_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+def choose_chunk(row_tokens: int, programs: int, segment: int) -> int:
+    """Tokens of a work unit: the largest power of two in ``[MIN_CHUNK,
+    min(MAX_CHUNK, segment)]`` that still gives every program
+    ``UNITS_PER_PROGRAM`` units (``row_tokens``: tokens times rows of the
+    launch). Large units amortize a unit's set-up (its request's search, its
+    row, its atomic add); small ones fill the GPU with short requests."""
+    per_unit = row_tokens // max(1, UNITS_PER_PROGRAM * programs)
+    chunk = 1 << max(per_unit, 1).bit_length() - 1
+    return max(MIN_CHUNK, min(chunk, MAX_CHUNK, segment))
 
 
 @dataclass
@@ -350,9 +361,8 @@ class KindPlan:
     group: GroupRows
     first_row: int
     tables: list[np.ndarray]
-    requests: list[
-        tuple[int, int, int, int, int, int]
-    ]  # start, end, first block, cell, n_seg, chunks
+    # start, end, first block, output cell, segments
+    requests: list[tuple[int, int, int, int, int]]
 
 
 def work_buffer(
@@ -387,11 +397,9 @@ def work_buffer(
     for k in kinds:
         chunks = 0
         first_req = len(req_rows)
-        for (start, end, first_block, cell, n_seg, n_chunks), table in zip(
-            k.requests, k.tables, strict=True
-        ):
+        for (start, end, first_block, cell, n_seg), table in zip(k.requests, k.tables, strict=True):
             req_rows.append((pos - first_block, start, end, chunks, cell, n_seg, start // chunk, 0))
-            chunks += n_chunks
+            chunks += -(-end // chunk) - start // chunk
             pos += len(table)
         g = k.group
         rank, world, ilv = g.dcp

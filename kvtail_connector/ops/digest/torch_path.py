@@ -50,7 +50,7 @@ def expand_requests(kind: KindPlan, segment: int) -> dict[str, np.ndarray]:
     # Token offset in its manager block of each block-local slot.
     offset = rank * ilv + (local // ilv) * (ilv * world) + local % ilv if world > 1 else local
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("block", "slot", "token", "cell", "cs")}
-    for (start, end, first_block, cell, n_seg, _), table in zip(
+    for (start, end, first_block, cell, n_seg), table in zip(
         kind.requests, kind.tables, strict=True
     ):
         index = first_block + np.arange(len(table), dtype=np.int64)
