@@ -220,10 +220,13 @@ def test_dcp_ranks_match_the_reference():
 # ------------------------------------------------------------ launch knobs
 
 # Each changes a code path of the kernel (benchmarks/digest_variants.py sweeps
-# their values on a GPU): a tile narrower than a slot's words (the word loop,
-# partial tiles), chunks smaller than a block and as large as a segment,
-# evict-first loads, software pipelining, one warp.
+# their values on a GPU): the next block prefetched or not, a tile narrower
+# than a slot's words (the word loop, partial tiles), chunks smaller than a
+# block and as large as a segment, evict-first loads, software pipelining,
+# one warp.
 LAUNCH_KNOBS = [
+    dict(tile=(16, 16)),  # a block a tile, vector rows: the next block prefetched
+    dict(tile=(16, 16), prefetch=False),
     dict(tile=(2, 4)),
     dict(tile=(4, 8), chunk_tokens=16),  # 12-word slots: a full and a partial word tile
     dict(chunk_tokens=SEG, stream=True, num_stages=2),
@@ -269,6 +272,8 @@ def test_launch_knobs_keep_the_reference_sums(knobs):
             ]
             digester = KVDigester(moved, segment=SEG, implementation=implementation, **knobs)
             assert digester._any_mode == (n_groups == 3)
+            if knobs == {"tile": (16, 16)}:
+                assert digester.prefetch == (n_groups == 2)
             assert as_dicts(digester.digest(reqs).result()) == expected, (n_groups, device)
 
 

@@ -42,7 +42,8 @@ def kv_digest_kernel(
     DCP_SPLIT: tl.constexpr,  # some group has interleave > 1 and turn > interleave
     WHOLE_SLOTS: tl.constexpr,  # every row's content fits in WORDS words
     STREAM: tl.constexpr,  # cache bytes loaded evict-first (read once)
-    NUM_STAGES: tl.constexpr,  # software pipelining of the slot-tile loop (WHOLE_SLOTS)
+    NUM_STAGES: tl.constexpr,  # software pipelining of the innermost tile loop
+    PREFETCH: tl.constexpr,  # one tile a block, vector rows: load block i+1 while hashing i
 ):
     """Add the mix64-1 terms of every (chunk, row) unit to its output cell.
 
@@ -134,78 +135,70 @@ def kv_digest_kernel(
         q_lo = _served_upto(t_lo, eb, rank, ilv, turn, first, step, n_slots)
         q_hi = _served_upto(t_hi, eb, rank, ilv, turn, first, step, n_slots)
 
-        acc = tl.zeros([SLOTS, WORDS], dtype=tl.uint64)
-        # Block by block (no per-slot division): the unit's blocks are
-        # i_lo..i_last; each block's id is loaded one block ahead.
-        i_lo = q_lo // n_slots
-        i_last = (q_hi - 1) // n_slots
-        blk = tl.load(table + i_lo, mask=q_hi > q_lo, other=0)
-        word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
-        for i in range(i_lo, i_last + 1):
-            blk_next = tl.load(table + tl.minimum(i + 1, i_last))
-            k_lo = tl.maximum(q_lo - i * n_slots, 0)
-            k_hi = tl.minimum(q_hi - i * n_slots, n_slots)
-            blk_off = blk * block_stride
-            block_key = plane + (i * eb).to(tl.uint64) * POS_MUL
-            if WHOLE_SLOTS:
-                # One word tile holds a slot's content: a single loop, pipelinable.
-                for k0 in tl.range(k_lo, k_hi, SLOTS, num_stages=NUM_STAGES):
-                    s_mask, slot_key, slot_off = _slot_tile(
-                        k0,
-                        s_lanes,
-                        k_hi,
-                        blk_off,
-                        block_key,
-                        rank,
-                        ilv,
-                        turn,
-                        first,
-                        step,
-                        slot_stride,
-                        DCP_SPLIT,
-                    )
-                    acc += _tile_terms(
-                        (k0 + SLOTS <= k_hi) & (n_words == WORDS),
-                        base,
-                        slot_off,
-                        w_lanes,
-                        s_mask,
-                        slot_key[:, None] + word_key[None, :],
-                        n_words,
-                        run_bytes,
-                        mode,
-                        rw,
-                        SLOTS,
-                        WORDS,
-                        ANY_MODE,
-                        STREAM,
-                    )
-            else:
-                for k0 in range(k_lo, k_hi, SLOTS):
-                    s_mask, slot_key, slot_off = _slot_tile(
-                        k0,
-                        s_lanes,
-                        k_hi,
-                        blk_off,
-                        block_key,
-                        rank,
-                        ilv,
-                        turn,
-                        first,
-                        step,
-                        slot_stride,
-                        DCP_SPLIT,
-                    )
-                    for w0 in range(0, n_words, WORDS):
-                        ws = w0 + w_lanes
-                        w_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+        if PREFETCH:
+            acc = _unit_prefetched(
+                base,
+                table,
+                q_lo,
+                q_hi,
+                n_slots,
+                n_words,
+                block_stride,
+                slot_stride,
+                first,
+                step,
+                eb,
+                rank,
+                ilv,
+                turn,
+                plane,
+                word_base,
+                s_lanes,
+                w_lanes,
+                SLOTS,
+                WORDS,
+                DCP_SPLIT,
+                STREAM,
+            )
+        else:
+            acc = tl.zeros([SLOTS, WORDS], dtype=tl.uint64)
+            # Block by block (no per-slot division): the unit's blocks are
+            # i_lo..i_last; each block's id is loaded one block ahead.
+            i_lo = q_lo // n_slots
+            # An empty unit walks no block (q_hi - 1 may be negative).
+            i_last = tl.where(q_hi > q_lo, (q_hi - 1) // n_slots, i_lo - 1)
+            blk = tl.load(table + i_lo, mask=q_hi > q_lo, other=0)
+            word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
+            for i in range(i_lo, i_last + 1):
+                blk_next = tl.load(table + tl.minimum(i + 1, i_last))
+                k_lo = tl.maximum(q_lo - i * n_slots, 0)
+                k_hi = tl.minimum(q_hi - i * n_slots, n_slots)
+                blk_off = blk * block_stride
+                block_key = plane + (i * eb).to(tl.uint64) * POS_MUL
+                if WHOLE_SLOTS:
+                    # One word tile holds a slot's content: a single loop, pipelinable.
+                    for k0 in tl.range(k_lo, k_hi, SLOTS, num_stages=NUM_STAGES):
+                        s_mask, slot_key, slot_off = _slot_tile(
+                            k0,
+                            s_lanes,
+                            k_hi,
+                            blk_off,
+                            block_key,
+                            rank,
+                            ilv,
+                            turn,
+                            first,
+                            step,
+                            slot_stride,
+                            DCP_SPLIT,
+                        )
                         acc += _tile_terms(
-                            (k0 + SLOTS <= k_hi) & (w0 + WORDS <= n_words),
+                            (k0 + SLOTS <= k_hi) & (n_words == WORDS),
                             base,
                             slot_off,
-                            ws,
+                            w_lanes,
                             s_mask,
-                            slot_key[:, None] + w_key[None, :],
+                            slot_key[:, None] + word_key[None, :],
                             n_words,
                             run_bytes,
                             mode,
@@ -215,7 +208,42 @@ def kv_digest_kernel(
                             ANY_MODE,
                             STREAM,
                         )
-            blk = blk_next
+                else:
+                    for k0 in range(k_lo, k_hi, SLOTS):
+                        s_mask, slot_key, slot_off = _slot_tile(
+                            k0,
+                            s_lanes,
+                            k_hi,
+                            blk_off,
+                            block_key,
+                            rank,
+                            ilv,
+                            turn,
+                            first,
+                            step,
+                            slot_stride,
+                            DCP_SPLIT,
+                        )
+                        for w0 in tl.range(0, n_words, WORDS, num_stages=NUM_STAGES):
+                            ws = w0 + w_lanes
+                            w_key = (word_base + ws).to(tl.uint64) * WORD_MUL
+                            acc += _tile_terms(
+                                (k0 + SLOTS <= k_hi) & (w0 + WORDS <= n_words),
+                                base,
+                                slot_off,
+                                ws,
+                                s_mask,
+                                slot_key[:, None] + w_key[None, :],
+                                n_words,
+                                run_bytes,
+                                mode,
+                                rw,
+                                SLOTS,
+                                WORDS,
+                                ANY_MODE,
+                                STREAM,
+                            )
+                blk = blk_next
         if q_hi > q_lo:
             tl.atomic_add(out_ptr + cell, tl.sum(acc).to(tl.int64, bitcast=True))
 
@@ -283,6 +311,111 @@ def _tile_terms(
         term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
         out = tl.where(mask, term, 0)
     return out
+
+
+@triton.jit
+def _unit_prefetched(
+    base,
+    table,
+    q_lo,
+    q_hi,
+    n_slots,
+    n_words,
+    block_stride,
+    slot_stride,
+    first,
+    step,
+    eb,
+    rank,
+    ilv,
+    turn,
+    plane,
+    word_base,
+    s_lanes,
+    w_lanes,
+    SLOTS: tl.constexpr,
+    WORDS: tl.constexpr,
+    DCP_SPLIT: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    """A unit's sum where one tile holds a whole block of the row (``n_slots
+    <= SLOTS``, ``n_words <= WORDS``, 16-byte aligned vector rows): lane ``k``
+    is served slot ``k`` of every block, and the next block's tile is loaded
+    before this block's is hashed (twice the bytes in flight a program)."""
+    local_slot = first + s_lanes * step
+    if DCP_SPLIT:
+        t_in = rank * ilv + (local_slot // ilv) * turn + local_slot % ilv
+    else:
+        t_in = rank + local_slot * turn
+    lane_key = t_in.to(tl.uint64) * POS_MUL
+    lane_off = s_lanes.to(tl.int64) * slot_stride
+    word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
+    w_mask = w_lanes < n_words
+    some = q_hi > q_lo
+    i_lo = q_lo // n_slots
+    # An empty unit walks no block (q_hi - 1 may be negative).
+    i_last = tl.where(some, (q_hi - 1) // n_slots, i_lo - 1)
+    blk = tl.load(table + i_lo, mask=some, other=0)
+    blk_next = tl.load(table + tl.minimum(i_lo + 1, i_last), mask=some, other=0)
+    k_lo = tl.maximum(q_lo - i_lo * n_slots, 0)
+    k_hi = tl.minimum(q_hi - i_lo * n_slots, n_slots)
+    x = _block_tile(
+        base, blk * block_stride + lane_off, s_lanes, k_lo, k_hi, n_words, SLOTS, WORDS, STREAM
+    )
+    acc = tl.zeros([SLOTS, WORDS], dtype=tl.uint64)
+    for i in range(i_lo, i_last + 1):
+        blk_after = tl.load(table + tl.minimum(i + 2, i_last))
+        # The next block's tile, loaded before this one is hashed.
+        n_hi = tl.minimum(q_hi - (i + 1) * n_slots, n_slots)
+        if i + 1 <= i_last:
+            x_next = _block_tile(
+                base,
+                blk_next * block_stride + lane_off,
+                s_lanes,
+                n_hi * 0,
+                n_hi,
+                n_words,
+                SLOTS,
+                WORDS,
+                STREAM,
+            )
+        else:
+            x_next = x
+        k_lo = tl.maximum(q_lo - i * n_slots, 0)
+        k_hi = tl.minimum(q_hi - i * n_slots, n_slots)
+        slot_key = plane + (i * eb).to(tl.uint64) * POS_MUL + lane_key
+        key = slot_key[:, None] + word_key[None, :]
+        term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
+        if (k_lo == 0) & (k_hi == SLOTS) & (n_words == WORDS):
+            acc += term
+        else:
+            mask = ((s_lanes >= k_lo) & (s_lanes < k_hi))[:, None] & w_mask[None, :]
+            acc += tl.where(mask, term, 0)
+        x = x_next
+        blk_next = blk_after
+    return acc
+
+
+@triton.jit
+def _block_tile(
+    base,
+    slot_off,
+    s_lanes,
+    k_lo,
+    k_hi,
+    n_words,
+    SLOTS: tl.constexpr,
+    WORDS: tl.constexpr,
+    STREAM: tl.constexpr,
+):
+    """Served slots ``[k_lo, k_hi)`` of one block (lanes ``k``), its words
+    (0 elsewhere); unmasked when the tile is all valid."""
+    if (k_lo == 0) & (k_hi == SLOTS) & (n_words == WORDS):
+        x = _load_vectors_full(base, slot_off, tl.arange(0, WORDS), STREAM)
+    else:
+        s_mask = (s_lanes >= k_lo) & (s_lanes < k_hi)
+        _, x = _load_vectors(base, slot_off, tl.arange(0, WORDS), s_mask, n_words, STREAM)
+    return x
 
 
 @triton.jit

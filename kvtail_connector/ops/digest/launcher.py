@@ -72,6 +72,9 @@ PROGRAMS_PER_SM = 8
 CHUNK_TOKENS: int | None = None
 NUM_STAGES = 1
 STREAM = False
+# Where one tile holds a whole block of every row (vector rows): the next
+# block's bytes are loaded while this one's are hashed.
+PREFETCH = True
 _INTERPRETER_PROGRAMS = 4
 _TILE_WORDS = (256, 128, 64, 32, 16, 8)
 
@@ -203,7 +206,8 @@ class KVDigester:
             ``segment``; None: chosen per launch) the tokens of one work
             unit; ``num_stages`` the
             software pipelining of the slot loop; ``stream`` loads cache
-            bytes evict-first.
+            bytes evict-first; ``prefetch`` loads a unit's next block while
+            hashing one (where one tile holds a block of every row).
 
     Raises:
         ValueError: naming the field, for invalid groups or options.
@@ -222,6 +226,7 @@ class KVDigester:
         chunk_tokens: int | None = CHUNK_TOKENS,
         num_stages: int = NUM_STAGES,
         stream: bool = STREAM,
+        prefetch: bool = PREFETCH,
     ) -> None:
         if isinstance(groups, DigestGroup):
             raise ValueError("groups: expected a sequence of DigestGroup, got a single one")
@@ -272,6 +277,12 @@ class KVDigester:
         self._any_mode = any(r.mode != MODE_VECTORS for r in all_rows)
         self._dcp_split = any(g.dcp[1] > 1 and g.dcp[2] > 1 for g in self._groups)
         self._whole_slots = all(r.n_words <= self.tile[1] for r in all_rows)
+        self.prefetch = (
+            bool(prefetch)
+            and not self._any_mode
+            and self._whole_slots
+            and all(r.n_slots <= self.tile[0] for r in all_rows)
+        )
         lanes = self.tile[0] * self.tile[1]
         self.num_warps = num_warps or max(1, min(NUM_WARPS, lanes // 256))
         # The general load paths need more registers than the cap allows.
@@ -392,6 +403,7 @@ class KVDigester:
             "WHOLE_SLOTS": self._whole_slots,
             "STREAM": self.stream,
             "NUM_STAGES": self.num_stages,
+            "PREFETCH": self.prefetch,
         }
 
     def _launch(self, work: torch.Tensor, units: int) -> None:
