@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
 
-SLEEP_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than any enqueue here
+SLEEP_CYCLES = 10_000_000  # ~5 ms at 2 GHz: longer than any enqueue here
 
 
 @triton.jit

@@ -67,10 +67,14 @@ class VerificationWorker:
         """Plan this step's producer prompts and, on a consumer, its new loads
         carrying a digest, so that the hook and the completion only launch."""
         digests = self._digests
+        records = list(producer_digests)
         if digests is None:
-            self._records.extend(producer_digests)
+            self._records.extend(records)
             return
-        self._records.extend(digests.plan_prompts(producer_digests))
+        try:
+            self._records.extend(digests.plan_prompts(records))
+        except Exception:  # planned (and failing, contained) in the hook, as unplanned
+            self._records.extend(records)
         if self._verify_loads:
             digests.plan_loads(loads)
 
