@@ -299,6 +299,19 @@ def test_many_requests_of_mixed_lengths_in_one_launch(implementation, device):
         assert as_dicts(digester.digest(spans).result()) == expected, chunk
 
 
+def test_a_launch_unit_is_a_power_of_two_within_its_segment_that_fills_the_programs():
+    from kvtail_connector.ops.digest.plan import MAX_CHUNK, MIN_CHUNK, choose_chunk
+
+    programs = 132 * 8
+    for segment in (256, 1024, 4096):
+        for row_tokens in (0, 1, 640 * 1024, 61 * 1024, 640 * 32768, 10**12):
+            chunk = choose_chunk(row_tokens, programs, segment)
+            assert chunk & (chunk - 1) == 0 and MIN_CHUNK <= chunk <= min(MAX_CHUNK, segment)
+            if MIN_CHUNK < chunk < min(MAX_CHUNK, segment):
+                # Every program gets at least 4 units, and not 8 at twice the size.
+                assert row_tokens // chunk >= 4 * programs > row_tokens // (2 * chunk)
+
+
 class _NoPythonIteration(np.ndarray):
     """A block table the planner may slice and reduce, never walk in Python."""
 
