@@ -225,7 +225,8 @@ def test_dcp_ranks_match_the_reference():
 # block and as large as a segment, evict-first loads, software pipelining,
 # one warp.
 LAUNCH_KNOBS = [
-    dict(tile=(16, 16)),  # a block a tile, vector rows: the next block prefetched
+    dict(tile=(16, 16)),  # a block a tile, vector rows: the next tile prefetched
+    dict(tile=(16, 4)),  # a block in 1 or 3 word tiles, prefetched
     dict(tile=(16, 16), prefetch=False),
     dict(tile=(2, 4)),
     dict(tile=(4, 8), chunk_tokens=16),  # 12-word slots: a full and a partial word tile
@@ -272,7 +273,7 @@ def test_launch_knobs_keep_the_reference_sums(knobs):
             ]
             digester = KVDigester(moved, segment=SEG, implementation=implementation, **knobs)
             assert digester._any_mode == (n_groups == 3)
-            if knobs == {"tile": (16, 16)}:
+            if knobs in ({"tile": (16, 16)}, {"tile": (16, 4)}):
                 assert digester.prefetch == (n_groups == 2)
             assert as_dicts(digester.digest(reqs).result()) == expected, (n_groups, device)
 

@@ -338,10 +338,11 @@ def _unit_prefetched(
     DCP_SPLIT: tl.constexpr,
     STREAM: tl.constexpr,
 ):
-    """A unit's sum where one tile holds a whole block of the row (``n_slots
-    <= SLOTS``, ``n_words <= WORDS``, 16-byte aligned vector rows): lane ``k``
-    is served slot ``k`` of every block, and the next block's tile is loaded
-    before this block's is hashed (twice the bytes in flight a program)."""
+    """A unit's sum where one tile's slots hold a whole block of the row
+    (``n_slots <= SLOTS``, 16-byte aligned vector rows): lane ``k`` is served
+    slot ``k`` of every block; the tiles are (block, word tile) in order, and
+    each is loaded before the one before it is hashed (twice the bytes in
+    flight a program)."""
     local_slot = first + s_lanes * step
     if DCP_SPLIT:
         t_in = rank * ilv + (local_slot // ilv) * turn + local_slot % ilv
@@ -350,7 +351,7 @@ def _unit_prefetched(
     lane_key = t_in.to(tl.uint64) * POS_MUL
     lane_off = s_lanes.to(tl.int64) * slot_stride
     word_key = (word_base + w_lanes).to(tl.uint64) * WORD_MUL
-    w_mask = w_lanes < n_words
+    n_wt = (n_words + WORDS - 1) // WORDS
     some = q_hi > q_lo
     i_lo = q_lo // n_slots
     # An empty unit walks no block (q_hi - 1 may be negative).
@@ -360,38 +361,66 @@ def _unit_prefetched(
     k_lo = tl.maximum(q_lo - i_lo * n_slots, 0)
     k_hi = tl.minimum(q_hi - i_lo * n_slots, n_slots)
     x = _block_tile(
-        base, blk * block_stride + lane_off, s_lanes, k_lo, k_hi, n_words, SLOTS, WORDS, STREAM
+        base,
+        blk * block_stride + lane_off,
+        0,
+        s_lanes,
+        k_lo,
+        k_hi,
+        n_words,
+        SLOTS,
+        WORDS,
+        STREAM,
     )
     acc = tl.zeros([SLOTS, WORDS], dtype=tl.uint64)
     for i in range(i_lo, i_last + 1):
         blk_after = tl.load(table + tl.minimum(i + 2, i_last))
-        # The next block's tile, loaded before this one is hashed.
-        n_hi = tl.minimum(q_hi - (i + 1) * n_slots, n_slots)
-        if i + 1 <= i_last:
-            x_next = _block_tile(
-                base,
-                blk_next * block_stride + lane_off,
-                s_lanes,
-                n_hi * 0,
-                n_hi,
-                n_words,
-                SLOTS,
-                WORDS,
-                STREAM,
-            )
-        else:
-            x_next = x
         k_lo = tl.maximum(q_lo - i * n_slots, 0)
         k_hi = tl.minimum(q_hi - i * n_slots, n_slots)
+        n_hi = tl.minimum(q_hi - (i + 1) * n_slots, n_slots)  # block i + 1's
         slot_key = plane + (i * eb).to(tl.uint64) * POS_MUL + lane_key
-        key = slot_key[:, None] + word_key[None, :]
-        term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
-        if (k_lo == 0) & (k_hi == SLOTS) & (n_words == WORDS):
-            acc += term
-        else:
-            mask = ((s_lanes >= k_lo) & (s_lanes < k_hi))[:, None] & w_mask[None, :]
-            acc += tl.where(mask, term, 0)
-        x = x_next
+        for wt in range(0, n_wt):
+            w0 = wt * WORDS
+            # The next tile, loaded before this one is hashed.
+            if wt + 1 < n_wt:
+                x_next = _block_tile(
+                    base,
+                    blk * block_stride + lane_off,
+                    w0 + WORDS,
+                    s_lanes,
+                    k_lo,
+                    k_hi,
+                    n_words,
+                    SLOTS,
+                    WORDS,
+                    STREAM,
+                )
+            elif i + 1 <= i_last:
+                x_next = _block_tile(
+                    base,
+                    blk_next * block_stride + lane_off,
+                    0,
+                    s_lanes,
+                    n_hi * 0,
+                    n_hi,
+                    n_words,
+                    SLOTS,
+                    WORDS,
+                    STREAM,
+                )
+            else:
+                x_next = x
+            tile_key = slot_key + (w0.to(tl.uint64) * WORD_MUL)
+            key = tile_key[:, None] + word_key[None, :]
+            term = fmix64(key ^ x.to(tl.uint32, bitcast=True).to(tl.uint64))
+            if (k_lo == 0) & (k_hi == SLOTS) & (w0 + WORDS <= n_words):
+                acc += term
+            else:
+                s_mask = (s_lanes >= k_lo) & (s_lanes < k_hi)
+                mask = s_mask[:, None] & (w0 + w_lanes < n_words)[None, :]
+                acc += tl.where(mask, term, 0)
+            x = x_next
+        blk = blk_next
         blk_next = blk_after
     return acc
 
@@ -400,6 +429,7 @@ def _unit_prefetched(
 def _block_tile(
     base,
     slot_off,
+    w0,
     s_lanes,
     k_lo,
     k_hi,
@@ -408,13 +438,14 @@ def _block_tile(
     WORDS: tl.constexpr,
     STREAM: tl.constexpr,
 ):
-    """Served slots ``[k_lo, k_hi)`` of one block (lanes ``k``), its words
-    (0 elsewhere); unmasked when the tile is all valid."""
-    if (k_lo == 0) & (k_hi == SLOTS) & (n_words == WORDS):
-        x = _load_vectors_full(base, slot_off, tl.arange(0, WORDS), STREAM)
+    """Words ``[w0, w0 + WORDS)`` of served slots ``[k_lo, k_hi)`` of one
+    block (lanes ``k``; 0 elsewhere); unmasked when the tile is all valid."""
+    ws = w0 + tl.arange(0, WORDS)
+    if (k_lo == 0) & (k_hi == SLOTS) & (w0 + WORDS <= n_words):
+        x = _load_vectors_full(base, slot_off, ws, STREAM)
     else:
         s_mask = (s_lanes >= k_lo) & (s_lanes < k_hi)
-        _, x = _load_vectors(base, slot_off, tl.arange(0, WORDS), s_mask, n_words, STREAM)
+        _, x = _load_vectors(base, slot_off, ws, s_mask, n_words, STREAM)
     return x
 
 

@@ -72,8 +72,8 @@ PROGRAMS_PER_SM = 8
 CHUNK_TOKENS: int | None = None
 NUM_STAGES = 1
 STREAM = False
-# Where one tile holds a whole block of every row (vector rows): the next
-# block's bytes are loaded while this one's are hashed.
+# Where a tile's slots hold a whole block of every row (vector rows): the
+# next tile's bytes are loaded while this one's are hashed.
 PREFETCH = True
 _INTERPRETER_PROGRAMS = 4
 _TILE_WORDS = (256, 128, 64, 32, 16, 8)
@@ -206,8 +206,8 @@ class KVDigester:
             ``segment``; None: chosen per launch) the tokens of one work
             unit; ``num_stages`` the
             software pipelining of the slot loop; ``stream`` loads cache
-            bytes evict-first; ``prefetch`` loads a unit's next block while
-            hashing one (where one tile holds a block of every row).
+            bytes evict-first; ``prefetch`` loads a unit's next tile while
+            hashing one (where a tile's slots hold a block of every row).
 
     Raises:
         ValueError: naming the field, for invalid groups or options.
@@ -280,7 +280,6 @@ class KVDigester:
         self.prefetch = (
             bool(prefetch)
             and not self._any_mode
-            and self._whole_slots
             and all(r.n_slots <= self.tile[0] for r in all_rows)
         )
         lanes = self.tile[0] * self.tile[1]
