@@ -142,6 +142,9 @@ def variants_for(default: KVDigester) -> list[tuple[str, dict[str, Any]]]:
         ("evict-first + stages 2", {"stream": True, "num_stages": 2}),
         ("warps 8 + tile x2", {"num_warps": 8, "tile": (s * 2, w)}),
         ("no prefetch + maxnreg 0", {"prefetch": False, "max_registers": 0}),
+        # Prefetching holds two tiles: more registers, fewer resident programs.
+        ("maxnreg 96 + prog/SM 4", {"max_registers": 96, "programs_per_sm": 4}),
+        ("maxnreg 0 + prog/SM 4", {"max_registers": 0, "programs_per_sm": 4}),
         ("evict-first + maxnreg 0", {"stream": True, "max_registers": 0}),
     ]
     return out
