@@ -156,6 +156,9 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--quick", action="store_true", help="the default and three variants")
     ap.add_argument(
+        "--budget-s", type=float, default=200.0, help="skip the variants left after this"
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes on CPU (TRITON_INTERPRET=1): the script runs",
@@ -249,6 +252,9 @@ def main() -> int:
         if args.quick or args.smoke:
             variants = variants[:4] + [v for v in variants if v[0] in ("stages 2", "chunk 32")]
         for label, knobs in variants:
+            if time.perf_counter() - t_start > args.budget_s:
+                print(f"| {label} | skipped: past --budget-s {args.budget_s:.0f} s | | | | |")
+                continue
             try:
                 d = KVDigester([DigestGroup(views)], implementation="triton", **knobs)
                 d.warmup()
