@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
@@ -174,6 +175,14 @@ class RankDigests:
         # (:meth:`reported`): a failure in between must still report them.
         self._unreported: set[str] = set()
         self._verdicts: dict[str, str] = {}
+
+    def warmup(self) -> None:
+        """Compile the digest kernel now (at registration, not in the first
+        step that digests): the launches of every segment size and role share
+        one binary. No cache byte is read; nothing to do off CUDA."""
+        tensors = [getattr(c, "tensor", c) for s in self._sets for c in s.caches]
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+            self._digester(entry.segment_for(0), producer=False).warmup()
 
     # -------------------------------------------------------------- producer
 

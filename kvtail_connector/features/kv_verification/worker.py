@@ -48,6 +48,7 @@ class VerificationWorker:
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
         self._digests = RankDigests(sets, self._heads)
+        self._digests.warmup()
 
     def release(self) -> None:
         self._released, self._digests = self._digests, None
