@@ -43,7 +43,7 @@ def kv_digest_kernel(
     WHOLE_SLOTS: tl.constexpr,  # every row's content fits in WORDS words
     STREAM: tl.constexpr,  # cache bytes loaded evict-first (read once)
     NUM_STAGES: tl.constexpr,  # software pipelining of the innermost tile loop
-    PREFETCH: tl.constexpr,  # one tile a block, vector rows: load block i+1 while hashing i
+    PREFETCH: tl.constexpr,  # a tile's slots hold a block (vector rows): load the next tile early
 ):
     """Add the mix64-1 terms of every (chunk, row) unit to its output cell.
 
@@ -68,7 +68,9 @@ def kv_digest_kernel(
     below), block by block (``i = q // n_slots``, once per block, its id loaded
     one block ahead), in tiles of ``SLOTS`` slots by ``WORDS`` words, and adds
     its sum to its cell once (atomically: units of a cell run in any order). A
-    chunk lies in one segment, so a unit has one cell.
+    chunk lies in one segment, so a unit has one cell. With ``PREFETCH`` (every
+    row's block fits in ``SLOTS`` slots, 16-byte aligned rows) each tile is
+    loaded before the one before it is hashed (:func:`_unit_prefetched`).
 
     Row (one region of one kernel page of a manager block, for one layer and
     local head): base byte address (block 0), block stride, slot stride (both
