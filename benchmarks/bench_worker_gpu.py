@@ -52,7 +52,7 @@ from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import TailWorker  # noqa: E402
 
 BLOCK_TOKENS = 16
-DIGEST_SIZES = ((1, 1024), (1, 8192), (16, 1024))  # (prompts, tokens each)
+DIGEST_SIZES = ((1, 1024), (1, 8192), (1, 131072), (16, 1024))  # (prompts, tokens each)
 
 
 class _NoLoadErrors:

@@ -193,7 +193,7 @@ class TailWorker:
         if self._claims is not None:
             self._claims.bind(meta.producer_tails)
         if self._verify is not None:
-            self._verify.bind(meta.producer_digests)
+            self._verify.bind(meta.producer_digests, meta.loads)
 
     def produce(self) -> None:
         """The producer hook (``policy.producer_hook``): zero the slots past

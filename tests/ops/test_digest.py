@@ -217,6 +217,130 @@ def test_dcp_ranks_match_the_reference():
         check_paths([group], [b.raw], [[span]])
 
 
+# ------------------------------------------------------------ launch knobs
+
+# Each changes a code path of the kernel (benchmarks/digest_variants.py sweeps
+# their values on a GPU): the next block prefetched or not, a tile narrower
+# than a slot's words (the word loop, partial tiles), chunks smaller than a
+# block and as large as a segment, evict-first loads, software pipelining,
+# one warp.
+LAUNCH_KNOBS = [
+    dict(tile=(16, 16)),  # a block a tile, vector rows: the next tile prefetched
+    dict(tile=(16, 4)),  # a block in 1 or 3 word tiles, prefetched
+    dict(tile=(16, 16), prefetch=False),
+    dict(tile=(2, 4)),
+    dict(tile=(4, 8), chunk_tokens=16),  # 12-word slots: a full and a partial word tile
+    dict(chunk_tokens=SEG, stream=True, num_stages=2),
+    dict(tile=(8, 2), chunk_tokens=32, num_warps=1),
+]
+TRITON_PATHS = [p for p in PATHS if p[0] == "triton"]
+
+
+@pytest.mark.skipif(not TRITON_PATHS, reason="needs Triton (TRITON_INTERPRET=1 or CUDA)")
+@pytest.mark.parametrize("knobs", LAUNCH_KNOBS, ids=str)
+def test_launch_knobs_keep_the_reference_sums(knobs):
+    full = make_backing(
+        "LBHNC", num_layers=2, num_pages=8, heads=2, slots=16, content=8, dtype=torch.bfloat16
+    )
+    paged = make_backing(
+        "LBNHC", num_layers=1, num_pages=8, heads=1, slots=8, content=12, dtype=torch.float32
+    )
+    idx = make_backing(
+        "LBHNC", num_layers=1, num_pages=6, heads=1, slots=16, content=20, dtype=torch.uint8
+    )
+    regions = (PageRegion(0, 12, first_slot=0, n_slots=8, slot_step=2), PageRegion(192, 5))
+    groups = [
+        DigestGroup(full.views, group_id=0),  # 4 words a slot
+        DigestGroup(paged.views, 2, group_id=1, dcp_rank=1, dcp_world_size=2, interleave=2),
+        DigestGroup([RegionCache(v, 16, regions) for v in idx.views], group_id=2),
+    ]
+    requests = [
+        [GroupSpan(blocks(8, 20), 5, 117), GroupSpan(blocks(4, 21), 3, 120), None],
+        [None, GroupSpan(blocks(4, 22), 0, 64), GroupSpan(blocks(6, 23), 17, 90)],
+        [GroupSpan(blocks(8, 24)[:4], 40, 40), None, GroupSpan([4, 1], 0, 32)],
+    ]
+    raws = [full.raw, paged.raw, idx.raw]
+    # The first two groups' rows are all 16-byte aligned (vector loads); the
+    # region cache's byte rows make a launch compile the general loads.
+    for n_groups in (2, 3):
+        spec = [as_spec(g) for g in groups[:n_groups]]
+        reqs = [r[:n_groups] for r in requests]
+        expected = reference_digest(spec, as_tuples(reqs), SEG)
+        for implementation, device in TRITON_PATHS:
+            moved = [
+                on_device(g, raw, device)[0]
+                for g, raw in zip(groups[:n_groups], raws, strict=False)
+            ]
+            digester = KVDigester(moved, segment=SEG, implementation=implementation, **knobs)
+            assert digester._any_mode == (n_groups == 3)
+            if knobs in ({"tile": (16, 16)}, {"tile": (16, 4)}):
+                assert digester.prefetch == (n_groups == 2)
+            assert as_dicts(digester.digest(reqs).result()) == expected, (n_groups, device)
+
+
+@pytest.mark.parametrize(("implementation", "device"), PATHS, ids=PATH_IDS)
+def test_many_requests_of_mixed_lengths_in_one_launch(implementation, device):
+    # Units find their request by a binary search over the requests' chunks:
+    # empty, one-chunk and many-chunk requests, interleaved.
+    b = make_backing(
+        "LBHNC", num_layers=2, num_pages=64, heads=1, slots=16, content=8, dtype=torch.bfloat16
+    )
+    table = blocks(64, 26)
+    spans, used = [], 0
+    for start, end in [(0, 40), (7, 7), (3, 5), (16, 300), (0, 16), (250, 251), (31, 33), (0, 90)]:
+        need = -(-end // 16)
+        spans.append([GroupSpan(table[used : used + need], start, end)])
+        used += need
+    expected = reference_digest([as_spec(DigestGroup(b.views))], as_tuples(spans), SEG)
+    moved, _ = on_device(DigestGroup(b.views), b.raw, device)
+    for chunk in (16, 64):
+        digester = KVDigester(
+            [moved], segment=SEG, implementation=implementation, chunk_tokens=chunk
+        )
+        assert as_dicts(digester.digest(spans).result()) == expected, chunk
+
+
+def test_a_launch_unit_is_a_power_of_two_within_its_segment_that_fills_the_programs():
+    from kvtail_connector.ops.digest.plan import MAX_CHUNK, MIN_CHUNK, choose_chunk
+
+    programs = 132 * 8
+    for segment in (256, 1024, 4096):
+        for row_tokens in (0, 1, 640 * 1024, 61 * 1024, 640 * 32768, 10**12):
+            chunk = choose_chunk(row_tokens, programs, segment)
+            assert chunk & (chunk - 1) == 0 and MIN_CHUNK <= chunk <= min(MAX_CHUNK, segment)
+            if MIN_CHUNK < chunk < min(MAX_CHUNK, segment):
+                # Every program gets at least 4 units, and not 8 at twice the size.
+                assert row_tokens // chunk >= 4 * programs > row_tokens // (2 * chunk)
+
+
+class _NoPythonIteration(np.ndarray):
+    """A block table the planner may slice and reduce, never walk in Python."""
+
+    def __iter__(self):
+        raise AssertionError("iterated a block table in Python")
+
+    def tolist(self):
+        raise AssertionError("converted a block table to Python ints")
+
+
+@pytest.mark.parametrize(("implementation", "device"), PATHS, ids=PATH_IDS)
+def test_numpy_block_tables_from_a_first_block_are_planned_without_python_loops(
+    implementation, device
+):
+    b = make_backing(
+        "LBHNC", num_layers=2, num_pages=12, heads=2, slots=16, content=8, dtype=torch.bfloat16
+    )
+    table = blocks(12, 25)
+    expected = reference_digest([{"caches": list(b.views)}], [[(table, 3 * 16 + 5, 170)]], SEG)
+    moved, _ = on_device(DigestGroup(b.views), b.raw, device)
+    ids = np.array(table[3:], dtype=np.int64).view(_NoPythonIteration)
+    span = GroupSpan(ids, 3 * 16 + 5, 170, first_block=3)
+    got = KVDigester([moved], segment=SEG, implementation=implementation).digest([[span]])
+    assert as_dicts(got.result()) == expected
+    with pytest.raises(ValueError, match="lies before first_block"):
+        KVDigester([moved], segment=SEG).digest([[GroupSpan(ids, 40, 170, first_block=3)]])
+
+
 # -------------------------------------------------------------- sensitivity
 
 
@@ -371,6 +495,8 @@ def test_cuda_result_arrives_through_an_event(heads, slots, content, dtype):
     )
     digester = KVDigester([DigestGroup(b.views)])
     digester.warmup()
+    # Launched through the kernel compiled once, not re-bound per call.
+    assert digester._compiled is not None and digester._compiled.fast
     table = blocks(256, 12)
     requests = [
         [GroupSpan(table[:128], 0, 128 * slots - 3)],
@@ -409,6 +535,8 @@ def test_bad_input_names_the_field():
         (lambda: KVDigester([ok]).digest([[None, None]]), "requests[0]"),
         # The kernel API's integer rule: no bools, no floats.
         (lambda: KVDigester([ok], segment=1024.0), "segment"),
+        (lambda: KVDigester([ok], segment=256, chunk_tokens=512), "chunk_tokens"),
+        (lambda: KVDigester([ok], chunk_tokens=48), "chunk_tokens"),
         (lambda: KVDigester([dataclasses.replace(ok, counted_heads=[True])]), "counted_heads"),
         (lambda: KVDigester([ok]).digest([[GroupSpan([1.0], 0, 5)]]), "block_ids[0]"),
         (lambda: KVDigester([ok]).digest([[GroupSpan([1], 0, 5.0)]]), "requests[0][0].end"),

@@ -384,6 +384,47 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
     assert a.merged(DigestPart("mix64-1", 1024, "a" * 16, {0: {1: (2,)}})).digest() is not None
 
 
+def _rank_check(caches, blocks, n, sums, num_local=0):
+    """D's verdict on a load of tokens ``[num_local, n)`` of ``blocks``
+    checked against ``sums`` (planned at bind, compared at release)."""
+    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
+
+    digests = kv_digests_mod.RankDigests([CacheSet(0, 1, 1, list(caches))])
+    segment = entry.segment_for(n)
+    dg = entry.Digest(ALGORITHM, segment, digests.signature, sums)
+    first = num_local // BLOCK
+    load = LoadRecord(
+        "r",
+        num_local,
+        n,
+        (GroupLoad(0, first, tuple(blocks[first:])),),
+        expected=ExpectedDigest(n, dg),
+    )
+    digests.plan_loads([load])
+    digests.check_loads([load])
+    digests.release()
+    return digests.take_verdicts()["r"]
+
+
+def test_a_head_the_producer_did_not_send_is_skipped_and_the_others_still_count():
+    from kvtail_connector.metadata import MISMATCH, UNVERIFIED, VERIFIED
+
+    g = torch.Generator().manual_seed(7)
+    caches = [torch.randn(6, 4, BLOCK, 8, generator=g) for _ in range(2)]
+    blocks, n = [4, 1, 5], 40
+    (ref,) = reference_digest([{"caches": caches}], [[(blocks, 0, n)]], 1024)[0]
+    full = {0: {h: tuple(v) for h, v in ref.items()}}
+    without_2 = {0: {h: v for h, v in full[0].items() if h != 2}}
+    assert _rank_check(caches, blocks, n, full) == VERIFIED
+    assert _rank_check(caches, blocks, n, without_2) == UNVERIFIED
+    caches[1][blocks[1], 2, 3, 0] += 1  # in the head P did not send: not seen
+    assert _rank_check(caches, blocks, n, without_2) == UNVERIFIED
+    caches[1][blocks[1], 0, 3, 0] += 1  # in one it sent: a mismatch
+    assert _rank_check(caches, blocks, n, without_2) == MISMATCH
+    assert _rank_check(caches, blocks, n, full) == MISMATCH
+
+
 # ------------------------------------------------------------ the shared key
 
 

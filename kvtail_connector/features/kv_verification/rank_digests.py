@@ -13,6 +13,14 @@ the completion until the sums are on the host, compares the segments that lie
 entirely inside the loaded range with P's, and reports a mismatch as a failed
 load (:meth:`RankDigests.release`). Each rank compares the heads it holds.
 
+Host cost: what a request needs is planned where its record arrives
+(:meth:`RankDigests.plan_prompts` and :meth:`RankDigests.plan_loads`, from
+the worker's ``bind_connector_metadata``): its block ids as one numpy array
+per group (the only step linear in the prompt's blocks, at C speed), its
+token range, and on D the producer's sums as arrays. The hook and the
+completion then cost O(1) Python per request and one launch per step; the
+comparison is vectorized.
+
 Sums are keyed by logical coordinates (``ops/digest/``): P and D may differ
 in block ids, block size, page layout and TP. Covered: every KV cache group
 with token tails held in one cache set of one slot per token; other groups
@@ -26,9 +34,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
+import torch
 
 from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
@@ -48,7 +60,6 @@ from kvtail_connector.ops.digest.launcher import (
     DigestGroup,
     GroupSpan,
     KVDigester,
-    PendingDigest,
 )
 
 logger = get_logger(__name__)
@@ -78,15 +89,44 @@ class HeadPlacement:
         return self.tp_rank // replicas, [0] if self.tp_rank % replicas == 0 else []
 
 
+@dataclass(frozen=True)
+class PlannedPrompt:
+    """A producer's prompt, ready to digest (:meth:`RankDigests.plan_prompts`)."""
+
+    record: LoadRecord
+    segment: int
+    spans: tuple[GroupSpan | None, ...]  # per digested group
+
+
+@dataclass(frozen=True)
+class PlannedLoad:
+    """A consumer's load, ready to digest and compare
+    (:meth:`RankDigests.plan_loads`); ``verdict`` is set where it cannot be
+    compared (nothing to digest)."""
+
+    record: LoadRecord
+    verdict: str | None
+    segment: int = 0
+    segments: range = range(0)
+    spans: tuple[GroupSpan | None, ...] = ()
+    # Per digested group: the producer's sums of this rank's heads, uint64
+    # [heads, segments], and which of those heads it sent (bool [heads]);
+    # None where the producer sent none for the group.
+    theirs: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
+
+
 @dataclass
 class _Check:
     """A consumer's digest of one load, on its way to the host."""
 
-    record: LoadRecord
+    load: PlannedLoad
     result: Any  # () -> the digester's per-group results of this request
     event: Any  # CUDA event behind the read-back, or None
-    segments: range  # the segments compared
     passes: int = 0
+
+    @property
+    def record(self) -> LoadRecord:
+        return self.load.record
 
 
 @dataclass
@@ -124,7 +164,11 @@ class RankDigests:
                 excluded,
             )
         self.group_ids = tuple(s.group_id for s in self._sets)
+        self._block_tokens = {gid: record_block_tokens(self._sets, gid) for gid in self.group_ids}
         self.signature = _signature(self._sets, self.placement.tp_size)
+        # Loads planned at bind, until they complete (bounded: a plan that was
+        # pushed out is made again at completion).
+        self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
         self._digesters: dict[tuple[int, bool], KVDigester] = {}
         self._held: dict[str, _Check] = {}
         # Released since the caller last said its results reached vLLM
@@ -132,18 +176,42 @@ class RankDigests:
         self._unreported: set[str] = set()
         self._verdicts: dict[str, str] = {}
 
+    def warmup(self) -> None:
+        """Compile the digest kernel now (at registration, not in the first
+        step that digests): the launches of every segment size and role share
+        one binary. No cache byte is read; nothing to do off CUDA."""
+        tensors = [getattr(c, "tensor", c) for s in self._sets for c in s.caches]
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+            self._digester(entry.segment_for(0), producer=False).warmup()
+
     # -------------------------------------------------------------- producer
 
-    def digest_prompts(self, records: Sequence[LoadRecord]) -> dict[str, DigestPart]:
-        """Digest tokens ``[0, num_loaded)`` of each producer record, one launch
+    def plan_prompts(self, records: Iterable[LoadRecord]) -> list[PlannedPrompt]:
+        """Plan the digest of tokens ``[0, num_loaded)`` of each producer record
+        (at bind)."""
+        return [
+            PlannedPrompt(
+                r,
+                entry.segment_for(r.num_loaded),
+                tuple(self._span(r, g, 0, r.num_loaded) for g in self.group_ids),
+            )
+            for r in records
+        ]
+
+    def digest_prompts(
+        self, prompts: Sequence[PlannedPrompt | LoadRecord]
+    ) -> dict[str, DigestPart]:
+        """Digest each prompt (planned, or a record planned now), one launch
         per segment size, on the current stream; the parts resolve when read."""
+        planned = [
+            p if isinstance(p, PlannedPrompt) else self.plan_prompts([p])[0] for p in prompts
+        ]
         parts: dict[str, DigestPart] = {}
-        for segment, batch in _by_segment(records, lambda r: entry.segment_for(r.num_loaded)):
-            spans = [[self._span(r, g, 0, r.num_loaded) for g in self.group_ids] for r in batch]
-            pending = self._digester(segment, producer=True).digest(spans)
-            results = _memo(pending)
-            for i, r in enumerate(batch):
-                parts[r.req_id] = DigestPart(
+        for segment, batch in _by_segment(planned, lambda p: p.segment):
+            pending = self._digester(segment, producer=True).digest([p.spans for p in batch])
+            results = pending.result  # read once, when first needed
+            for i, p in enumerate(batch):
+                parts[p.record.req_id] = DigestPart(
                     ALGORITHM,
                     segment,
                     self.signature,
@@ -153,38 +221,89 @@ class RankDigests:
 
     # -------------------------------------------------------------- consumer
 
+    def plan_loads(self, records: Iterable[LoadRecord]) -> None:
+        """Plan the check of each load whose producer sent a digest (at bind);
+        :meth:`check_loads` uses the plan when the same record completes. A
+        record whose plan fails is planned again (and fails) at completion."""
+        for r in records:
+            if r.expected is None:
+                continue
+            try:
+                load = self._plan_load(r)
+            except Exception:  # re-raised where it used to be: at completion
+                continue
+            self._planned[r.req_id] = load
+            self._planned.move_to_end(r.req_id)
+            if len(self._planned) > _MAX_PLANNED:
+                self._planned.popitem(last=False)
+
+    def forget_plans(self, req_ids: Iterable[str]) -> None:
+        """Drop the plans of loads that completed without being checked."""
+        planned = self._planned
+        if planned:
+            for req_id in req_ids:
+                planned.pop(req_id, None)
+
     def check_loads(self, records: Iterable[LoadRecord]) -> None:
         """Digest the received slots of completed loads whose producer sent a
         digest (``record.expected``), one launch per segment size, and hold
         them until :meth:`release`. A load that cannot be compared (another
         algorithm or signature, no whole segment inside the loaded range) is
         released at once, not verified."""
-        todo: list[tuple[LoadRecord, int, int, range]] = []  # record, segment, n, segments
+        todo: list[PlannedLoad] = []
         for r in records:
-            expected = r.expected
-            if expected is None:
+            if r.expected is None:
                 continue
-            dg = expected.digest
-            if dg.algorithm != ALGORITHM or dg.signature != self.signature:
-                logger.debug("kvtail: %s: digest of another algorithm or layout", r.req_id)
-                self._verdicts[r.req_id] = UNVERIFIED
+            load = self._planned.pop(r.req_id, None)
+            if load is None or load.record is not r:
+                load = self._plan_load(r)
+            if load.verdict is not None:
+                self._verdicts[r.req_id] = load.verdict
                 continue
-            segments = _inside(dg.segment, expected.num_tokens, r.num_local, r.num_loaded)
-            if not segments:
-                self._verdicts[r.req_id] = UNVERIFIED
-                continue
-            todo.append((r, dg.segment, expected.num_tokens, segments))
-        for segment, batch in _by_segment(todo, lambda t: t[1]):
-            spans = []
-            for r, _, n, segs in batch:
-                lo, hi = segs.start * segment, min(segs.stop * segment, n)
-                spans.append([self._span(r, g, lo, hi) for g in self.group_ids])
-            pending = self._digester(segment, producer=False).digest(spans)
-            results = _memo(pending)
-            for i, (r, _, _, segs) in enumerate(batch):
-                self._held[r.req_id] = _Check(
-                    r, functools.partial(_row, results, i), pending.event, segs
+            todo.append(load)
+        for segment, batch in _by_segment(todo, lambda p: p.segment):
+            pending = self._digester(segment, producer=False).digest([p.spans for p in batch])
+            results = pending.result  # read once, when first needed
+            for i, load in enumerate(batch):
+                self._held[load.record.req_id] = _Check(
+                    load, functools.partial(_row, results, i), pending.event
                 )
+
+    def _plan_load(self, r: LoadRecord) -> PlannedLoad:
+        expected = r.expected
+        assert expected is not None
+        dg = expected.digest
+        if dg.algorithm != ALGORITHM or dg.signature != self.signature:
+            logger.debug("kvtail: %s: digest of another algorithm or layout", r.req_id)
+            return PlannedLoad(r, UNVERIFIED)
+        segments = _inside(dg.segment, expected.num_tokens, r.num_local, r.num_loaded)
+        if not segments:
+            return PlannedLoad(r, UNVERIFIED)
+        n = expected.num_tokens
+        lo, hi = segments.start * dg.segment, min(segments.stop * dg.segment, n)
+        n_seg = -(-n // dg.segment)
+        digester = self._digester(dg.segment, producer=False)
+        theirs: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for g, gid in enumerate(self.group_ids):
+            by_head = dg.sums.get(gid)
+            if by_head is None:
+                theirs.append(None)
+                continue
+            rows = [by_head.get(h) for h in digester.heads(g)]
+            sent = np.array([row is not None and len(row) == n_seg for row in rows], dtype=bool)
+            table = np.zeros((len(rows), n_seg), dtype=np.uint64)
+            for k, row in enumerate(rows):
+                if row is not None and len(row) == n_seg:
+                    table[k] = row
+            theirs.append((table, sent))
+        return PlannedLoad(
+            r,
+            None,
+            dg.segment,
+            segments,
+            tuple(self._span(r, g, lo, hi) for g in self.group_ids),
+            tuple(theirs),
+        )
 
     def release(self) -> tuple[set[str], set[str]]:
         """``(finished, mismatched)``: held loads whose sums reached the host
@@ -220,6 +339,7 @@ class RankDigests:
         error: the caller reports them failed); returns their ids, and those
         released since the last :meth:`reported` (never returned to vLLM)."""
         held = set(self._held)
+        self._planned.clear()
         for check in self._held.values():
             if check.event is not None:
                 check.event.synchronize()  # the digest kernel read the blocks
@@ -244,7 +364,7 @@ class RankDigests:
 
     @property
     def num_tracked(self) -> int:
-        return len(self._held) + len(self._verdicts)
+        return len(self._held) + len(self._verdicts) + len(self._planned)
 
     # --------------------------------------------------------------- helpers
 
@@ -276,18 +396,17 @@ class RankDigests:
     def _span(self, record: LoadRecord, group: int, start: int, end: int) -> GroupSpan | None:
         """Tokens ``[start, end)`` of ``record`` in ``group``, or None where the
         record does not write that group or a block of the range is null."""
+        eb = self._block_tokens.get(group, 0)
         for load in record.groups:
             if load.group != group:
                 continue
-            ids = [0] * load.first_block + list(load.block_ids)
-            eb = record_block_tokens(self._sets, group)
-            if (
-                eb == 0
-                or -(-end // eb) > len(ids)
-                or NULL_BLOCK in ids[start // eb : -(-end // eb)]
-            ):
+            first, last = start // eb if eb else 0, -(-end // eb) if eb else 0
+            if eb == 0 or last > load.first_block + len(load.block_ids):
                 return None
-            return GroupSpan(ids, start, end)
+            ids = np.array(load.block_ids, dtype=np.int64)
+            if (ids[first - load.first_block : last - load.first_block] == NULL_BLOCK).any():
+                return None
+            return GroupSpan(ids, start, end, first_block=load.first_block)
         return None
 
     def _sums(self, results: Any, index: int) -> entry.Sums:
@@ -298,36 +417,34 @@ class RankDigests:
         return out
 
     def _compare(self, check: _Check) -> str:
-        record = check.record
-        expected = record.expected
-        assert expected is not None
-        theirs_by_group = expected.digest.sums
-        n_seg = -(-expected.num_tokens // expected.digest.segment)
-        compared = 0
+        """VERIFIED, MISMATCH (any compared segment differs, logged) or
+        UNVERIFIED (nothing compared, or a head of ours lacks in the
+        producer's sums and nothing differs)."""
+        load = check.load
+        record = load.record
+        lo, hi = load.segments.start, load.segments.stop
+        compared = bad = 0
+        missing = False
         first_bad: tuple[int, int, int] | None = None
-        bad = 0
-        for gid, mine in zip(self.group_ids, check.result(), strict=True):
-            theirs = theirs_by_group.get(gid)
+        for gid, mine, theirs in zip(self.group_ids, check.result(), load.theirs, strict=True):
             if mine is None or theirs is None:
                 continue
-            for k, head in enumerate(mine.heads):
-                row = theirs.get(head)
-                if row is None or len(row) != n_seg:
-                    logger.debug(
-                        "kvtail: %s: the producer's digest lacks head %d", record.req_id, head
-                    )
-                    if first_bad is not None:
-                        break  # a difference found already stands
-                    return UNVERIFIED
-                for s in check.segments:
-                    compared += 1
-                    if int(mine.sums[k, s]) != row[s]:
-                        bad += 1
-                        if first_bad is None:
-                            first_bad = (gid, head, s)
+            table, sent = theirs
+            differ = mine.sums[:, lo:hi] != table[:, lo:hi]
+            if not sent.all():  # only the heads the producer sent are compared
+                missing = True
+                differ &= sent[:, None]
+            compared += int(sent.sum()) * (hi - lo)
+            if differ.any():
+                bad += int(differ.sum())
+                if first_bad is None:
+                    k, s = np.argwhere(differ)[0]
+                    first_bad = (gid, mine.heads[int(k)], lo + int(s))
         if first_bad is not None:
             gid, head, s = first_bad
-            segment = expected.digest.segment
+            expected = record.expected
+            assert expected is not None
+            segment = load.segment
             logger.warning(
                 "KVTailConnector: request %s: the loaded KV differs from what the producer "
                 "digested: KV cache group %d, KV head %d, tokens [%d, %d) (%d of %d segment "
@@ -341,6 +458,9 @@ class RankDigests:
                 compared,
             )
             return MISMATCH
+        if missing:
+            logger.debug("kvtail: %s: the producer's digest lacks a head", record.req_id)
+            return UNVERIFIED
         return VERIFIED if compared else UNVERIFIED
 
 
@@ -360,15 +480,14 @@ def _inside(segment: int, num_tokens: int, start: int, end: int) -> range:
     return range(first, max(first, last))
 
 
+_MAX_PLANNED = 4096
+
+
 def _by_segment(items: Iterable[_T], segment_of: Callable[[_T], int]) -> list[tuple[int, list[_T]]]:
     groups: dict[int, list[_T]] = {}
     for item in items:
         groups.setdefault(segment_of(item), []).append(item)
     return list(groups.items())
-
-
-def _memo(pending: PendingDigest) -> Any:
-    return functools.cache(pending.result)
 
 
 def _row(results: Any, index: int) -> Any:

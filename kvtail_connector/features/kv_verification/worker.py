@@ -16,7 +16,11 @@ from collections.abc import Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement, RankDigests
+from kvtail_connector.features.kv_verification.rank_digests import (
+    HeadPlacement,
+    PlannedPrompt,
+    RankDigests,
+)
 from kvtail_connector.features.kv_verification.rank_states import RankStates, StateSet
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import DigestPart, LoadRecord, combined_verdict
@@ -44,7 +48,9 @@ class VerificationWorker:
         self._released_states: RankStates | None = None
         self._waiting: set[str] = set()
         self._bad: set[str] = set()
-        self._records: list[LoadRecord] = []  # a producer's prompts bound this step
+        # A producer's prompts bound this step (planned, or records where no
+        # caches were registered yet).
+        self._records: list[PlannedPrompt | LoadRecord] = []
         self._parts: dict[str, DigestPart] = {}  # and their sums, for the worker metadata
 
     def register(self, sets: list[CacheSet], states: list[StateSet] | None = None) -> None:
@@ -52,6 +58,7 @@ class VerificationWorker:
         self._digests = RankDigests(sets, self._heads)
         ranks = RankStates(states or [], self._heads.tp_rank, self._heads.tp_size)
         self._states = ranks if ranks else None
+        self._digests.warmup()
 
     def release(self) -> None:
         self._released, self._digests = self._digests, None
@@ -67,8 +74,22 @@ class VerificationWorker:
 
     # -------------------------------------------------------------- producer
 
-    def bind(self, producer_digests: Iterable[LoadRecord]) -> None:
-        self._records.extend(producer_digests)
+    def bind(
+        self, producer_digests: Iterable[LoadRecord], loads: Iterable[LoadRecord] = ()
+    ) -> None:
+        """Plan this step's producer prompts and, on a consumer, its new loads
+        carrying a digest, so that the hook and the completion only launch."""
+        digests = self._digests
+        records = list(producer_digests)
+        if digests is None:
+            self._records.extend(records)
+            return
+        try:
+            self._records.extend(digests.plan_prompts(records))
+        except Exception:  # planned (and failing, contained) in the hook, as unplanned
+            self._records.extend(records)
+        if self._verify_loads:
+            digests.plan_loads(loads)
 
     def digest_prompts(self) -> None:
         """In the producer hook, after the tails' zeroing."""
@@ -76,7 +97,8 @@ class VerificationWorker:
         if records and self._digests is not None:
             parts = self._digests.digest_prompts(records)
             if self._states is not None:
-                for req_id, state in self._states.digest_prompts(records).items():
+                plain = [r.record if isinstance(r, PlannedPrompt) else r for r in records]
+                for req_id, state in self._states.digest_prompts(plain).items():
                     if req_id in parts:
                         parts[req_id].states = state
             self._parts.update(parts)
@@ -113,6 +135,9 @@ class VerificationWorker:
         digests, states = self._digests, self._states
         if not self._verify_loads or digests is None:
             return results
+        # Completed loads never digested (failed, aborted) leave no plan behind.
+        digests.forget_plans(results.finished_recving)
+        digests.forget_plans(results.failed_recving)
         if states is None:
             held = {r for r in results.finished_recving if r in digests}
             released, mismatched = digests.release()

@@ -10,8 +10,11 @@ the heads it holds.
 On CUDA one call is one host-to-device copy (work table, zeroed output), ONE
 kernel launch for all requests, groups, layers and heads, and one
 non-blocking copy of the sums into pinned host memory followed by an event:
-nothing waits for the device until :meth:`PendingDigest.result`. Elsewhere
-(CPU caches) a vectorized torch path computes the same sums.
+nothing waits for the device until :meth:`PendingDigest.result`. The host
+work per request is O(1) in its length (its range, a slice of its block
+table, one vectorized range check); the kernel derives every slot's block,
+token and address. Elsewhere (CPU caches) a vectorized torch path computes
+the same sums.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from kvtail_connector.ops.digest.plan import (
     DigestGroup,
     GroupRows,
     GroupSpan,
+    KindPlan,
     Row,
+    choose_chunk,
     group_rows,
     row_table,
-    span_items,
+    span_request,
     work_buffer,
 )
 from kvtail_connector.ops.digest.reference import ALGORITHM
@@ -62,6 +67,14 @@ TILE = 1024
 NUM_WARPS = 4
 MAX_REGISTERS = 64
 PROGRAMS_PER_SM = 8
+# Tokens of one work unit (with one row): None chooses per launch
+# (plan.choose_chunk); a power of two <= the segment fixes it.
+CHUNK_TOKENS: int | None = None
+NUM_STAGES = 1
+STREAM = False
+# Where a tile's slots hold a whole block of every row (vector rows): the
+# next tile's bytes are loaded while this one's are hashed.
+PREFETCH = True
 _INTERPRETER_PROGRAMS = 4
 _TILE_WORDS = (256, 128, 64, 32, 16, 8)
 
@@ -117,7 +130,7 @@ class GroupDigest:
     sums: np.ndarray
 
     def by_head(self) -> dict[int, list[int]]:
-        return {h: [int(v) for v in row] for h, row in zip(self.heads, self.sums, strict=True)}
+        return dict(zip(self.heads, self.sums.tolist(), strict=True))
 
 
 @dataclass
@@ -145,16 +158,24 @@ class PendingDigest:
         self.event = event
         self._layout = layout
         self.launched = launched
+        self._result: list[list[GroupDigest | None]] | None = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def result(self) -> list[list[GroupDigest | None]]:
         """Per request, per group: its :class:`GroupDigest`, or None where the
-        request had no span in the group. Waits for the event."""
+        request had no span in the group. Waits for the event; read once
+        (later calls return the same lists, the host buffer let go)."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> list[list[GroupDigest | None]]:
         if self.event is not None:
             self.event.synchronize()
         cells = self._host.numpy().view(np.uint64)
+        self._host = None  # type: ignore[assignment]
         out: list[list[GroupDigest | None]] = []
         for spans in self._layout.spans:
             row: list[GroupDigest | None] = []
@@ -178,9 +199,15 @@ class KVDigester:
             any block size <= 256).
         implementation: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA, torch otherwise.
-        tile, num_warps, programs_per_sm, max_registers: launch tuning
-            (benchmarks only); ``tile`` is a ``(slots, words)`` pair of powers
-            of two; ``max_registers`` caps ptxas (0: no cap).
+        tile, num_warps, programs_per_sm, max_registers, chunk_tokens,
+            num_stages, stream: launch tuning (benchmarks only); ``tile`` is
+            a ``(slots, words)`` pair of powers of two; ``max_registers``
+            caps ptxas (0: no cap); ``chunk_tokens`` (a power of two, at most
+            ``segment``; None: chosen per launch) the tokens of one work
+            unit; ``num_stages`` the
+            software pipelining of the slot loop; ``stream`` loads cache
+            bytes evict-first; ``prefetch`` loads a unit's next tile while
+            hashing one (where a tile's slots hold a block of every row).
 
     Raises:
         ValueError: naming the field, for invalid groups or options.
@@ -196,6 +223,10 @@ class KVDigester:
         num_warps: int | None = None,
         programs_per_sm: int = PROGRAMS_PER_SM,
         max_registers: int | None = None,
+        chunk_tokens: int | None = CHUNK_TOKENS,
+        num_stages: int = NUM_STAGES,
+        stream: bool = STREAM,
+        prefetch: bool = PREFETCH,
     ) -> None:
         if isinstance(groups, DigestGroup):
             raise ValueError("groups: expected a sequence of DigestGroup, got a single one")
@@ -203,6 +234,16 @@ class KVDigester:
         if segment < MIN_SEGMENT or segment & (segment - 1):
             raise ValueError(f"segment: must be a power of two >= {MIN_SEGMENT}, got {segment}")
         self.segment = segment
+        if chunk_tokens is not None:
+            chunk_tokens = as_int("chunk_tokens", chunk_tokens, minimum=1)
+            if chunk_tokens & (chunk_tokens - 1) or chunk_tokens > segment:
+                raise ValueError(
+                    f"chunk_tokens: must be a power of two <= segment ({segment}) or None, "
+                    f"got {chunk_tokens}"
+                )
+        self.chunk_tokens = chunk_tokens
+        self.num_stages = as_int("num_stages", num_stages, minimum=1)
+        self.stream = bool(stream)
         self.algorithm = ALGORITHM
         self._groups: list[GroupRows] = [group_rows(g, i) for i, g in enumerate(groups)]
         ids = [g.group_id for g in self._groups]
@@ -235,6 +276,12 @@ class KVDigester:
         # Compile only the load paths and the DCP mapping some row needs.
         self._any_mode = any(r.mode != MODE_VECTORS for r in all_rows)
         self._dcp_split = any(g.dcp[1] > 1 and g.dcp[2] > 1 for g in self._groups)
+        self._whole_slots = all(r.n_words <= self.tile[1] for r in all_rows)
+        self.prefetch = (
+            bool(prefetch)
+            and not self._any_mode
+            and all(r.n_slots <= self.tile[0] for r in all_rows)
+        )
         lanes = self.tile[0] * self.tile[1]
         self.num_warps = num_warps or max(1, min(NUM_WARPS, lanes // 256))
         # The general load paths need more registers than the cap allows.
@@ -247,6 +294,7 @@ class KVDigester:
             self._programs = _sm_count(index) * programs_per_sm
         self._rows: torch.Tensor | None = None
         self._staging: PinnedStaging | None = None
+        self._compiled: _CompiledLaunch | None = None
         if implementation == "triton":
             self._rows = torch.from_numpy(row_table(all_rows)).to(self.device)
             if self.device.type == "cuda":
@@ -278,15 +326,15 @@ class KVDigester:
         Raises:
             ValueError: naming ``requests[i][g]``: a bad range or block id.
         """
-        layout, kinds, n_cells = self._plan(requests)
+        layout, kinds, n_cells, row_tokens = self._plan(requests)
         if self.implementation == "torch":
             cells = torch.zeros(n_cells, dtype=torch.int64, device=self.device)
-            for g, items in kinds:
-                slots = torch_path.expand_items(items)
-                torch_path.digest_rows(self._groups[g].rows, slots, cells)
+            for kind in kinds:
+                slots = torch_path.expand_requests(kind, self.segment)
+                torch_path.digest_rows(kind.group.rows, slots, cells)
             return PendingDigest(cells.cpu(), None, layout, launched=False)
-        table = [(items, len(self._groups[g].rows), self._row_start[g]) for g, items in kinds]
-        work, units, out_offset = work_buffer(table, n_cells, self._programs)
+        chunk = self.chunk_tokens or choose_chunk(row_tokens, self._programs, self.segment)
+        work, units, out_offset = work_buffer(kinds, n_cells, self.segment, chunk)
         if units == 0:
             return PendingDigest(torch.zeros(n_cells, dtype=torch.int64), None, layout, False)
         if self._staging is not None:
@@ -305,16 +353,23 @@ class KVDigester:
 
     def _plan(
         self, requests: Sequence[Sequence[GroupSpan | None]]
-    ) -> tuple[_Layout, list[tuple[int, np.ndarray]], int]:
+    ) -> tuple[_Layout, list[KindPlan], int, int]:
+        """Per request and group: a range, a table slice, where its cells are;
+        and the launch's tokens times rows."""
         if isinstance(requests, GroupSpan) or not isinstance(requests, Sequence):
             raise ValueError("requests: expected a sequence (per request) of per-group spans")
-        per_group: list[list[np.ndarray]] = [[] for _ in self._groups]
+        groups = self._groups
+        kinds = [
+            KindPlan(g, first, [], []) for g, first in zip(groups, self._row_start, strict=True)
+        ]
         spans: list[list[tuple[int, int, tuple[int, ...]] | None]] = []
         n_cells = 0
+        segment = self.segment
+        row_tokens = 0
         for q, request in enumerate(requests):
-            if not isinstance(request, Sequence) or len(request) != len(self._groups):
+            if not isinstance(request, Sequence) or len(request) != len(groups):
                 raise ValueError(
-                    f"requests[{q}]: expected one GroupSpan or None per group ({len(self._groups)})"
+                    f"requests[{q}]: expected one GroupSpan or None per group ({len(groups)})"
                 )
             row: list[tuple[int, int, tuple[int, ...]] | None] = []
             for g, span in enumerate(request):
@@ -323,31 +378,99 @@ class KVDigester:
                     continue
                 if not isinstance(span, GroupSpan):
                     raise ValueError(f"requests[{q}][{g}]: expected a GroupSpan or None")
-                group = self._groups[g]
-                items, n_seg = span_items(group, span, self.segment, n_cells, f"requests[{q}][{g}]")
+                group = groups[g]
+                table, (start, end, first_block, n_seg) = span_request(
+                    group, span, segment, f"requests[{q}][{g}]"
+                )
                 row.append((n_cells, n_seg, group.heads))
+                if table is not None:
+                    kind = kinds[g]
+                    kind.tables.append(table)
+                    kind.requests.append((start, end, first_block, n_cells, n_seg))
+                    row_tokens += (end - start) * len(group.rows)
                 n_cells += len(group.heads) * n_seg
-                if len(items):
-                    per_group[g].append(items)
             spans.append(row)
-        kinds = [(g, np.concatenate(parts)) for g, parts in enumerate(per_group) if parts]
-        return _Layout(spans), kinds, n_cells
+        return _Layout(spans), [k for k in kinds if k.requests], n_cells, row_tokens
+
+    def _constexprs(self) -> dict[str, Any]:
+        slots, words = self.tile
+        return {
+            "SLOTS": slots,
+            "WORDS": words,
+            "ANY_MODE": self._any_mode,
+            "DCP_SPLIT": self._dcp_split,
+            "WHOLE_SLOTS": self._whole_slots,
+            "STREAM": self.stream,
+            "NUM_STAGES": self.num_stages,
+            "PREFETCH": self.prefetch,
+        }
 
     def _launch(self, work: torch.Tensor, units: int) -> None:
         from kvtail_connector.ops.digest.kernel import kv_digest_kernel
 
-        slots, words = self.tile
-        grid = (max(1, min(units, self._programs)),)
-        kv_digest_kernel[grid](
-            work,
-            self._rows,
-            SLOTS=slots,
-            WORDS=words,
-            ANY_MODE=self._any_mode,
-            DCP_SPLIT=self._dcp_split,
-            num_warps=self.num_warps,
-            **(self._launch_options if self.device.type == "cuda" else {}),
-        )
+        grid = max(1, min(units, self._programs))
+        if self.device.type != "cuda":  # the interpreter
+            kv_digest_kernel[(grid,)](
+                work, self._rows, **self._constexprs(), num_warps=self.num_warps
+            )
+            return
+        if self._compiled is None:
+            self._compiled = _CompiledLaunch(
+                kv_digest_kernel,
+                work,
+                self._rows,
+                self._constexprs(),
+                {"num_warps": self.num_warps, **self._launch_options},
+            )
+        self._compiled(grid, work, self._rows)
+
+
+class _CompiledLaunch:
+    """The kernel compiled once for a digester, launched without re-binding.
+
+    ``JITFunction.__getitem__`` re-derives the specialization key on every
+    launch (~10 µs of host time); the work buffer (a fresh staging
+    allocation) and the row table are always 16-byte aligned and no integer
+    argument is specialized, so one binary serves every launch. Falls back to
+    the JIT launch where this Triton's compiled-kernel launcher takes other
+    arguments (as ``ops/zero/launcher.py`` does).
+    """
+
+    def __init__(
+        self,
+        kernel: Any,
+        work: torch.Tensor,
+        rows: Any,
+        constexprs: dict[str, Any],
+        options: dict[str, Any],
+    ) -> None:
+        self._kernel, self._constexprs, self._options = kernel, constexprs, options
+        self._args = [constexprs[name] for name in kernel.arg_names[2:]]
+        self._runners: dict[int, Any] = {}
+        self._fast: Any = None
+        try:
+            compiled = kernel.warmup(work, rows, grid=(1,), **constexprs, **options)
+            runner = compiled[(1, 1, 1)]
+            empty = torch.zeros(HEADER, dtype=torch.int64, device=work.device)
+            empty[2] = HEADER  # no kinds, no units: reads nothing
+            runner(empty, rows, *self._args)
+            self._fast = compiled
+            self._runners[1] = runner
+        except Exception:  # noqa: BLE001 - any launcher mismatch means: use the JIT path
+            self._fast = None
+
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
+    def __call__(self, grid: int, work: torch.Tensor, rows: Any) -> None:
+        if self._fast is None:
+            self._kernel[(grid,)](work, rows, **self._constexprs, **self._options)
+            return
+        runner = self._runners.get(grid)
+        if runner is None:
+            runner = self._runners[grid] = self._fast[(grid, 1, 1)]
+        runner(work, rows, *self._args)
 
 
 def _tensors(caches: Sequence[Any]) -> list[torch.Tensor]:

@@ -3,10 +3,14 @@
 A *row* is one (layer, local head, kernel page of a manager block) of a
 ``[B, H, N, C]`` view, or one (layer, region, kernel page) of a
 :class:`RegionCache`: the bytes one slot's content has in it, and where they
-are. An *item* is a run of block-local slots of one manager block of one
-request that all fall in one token segment. The kernel (and the torch path)
-digests every (item, row) pair of a group. Rows are derived once per cache
-set; items per call, with numpy.
+are. Rows are derived once per cache set.
+
+Per call the host lists, per request and group, only its token range, its
+block table (a slice of an integer array) and where its output cells are: no
+work per token, block, segment or head. A *chunk* is ``chunk`` tokens
+(aligned, a power of two dividing the segment, so one chunk lies in one
+segment); a work *unit* is one (row, chunk of a request), and the kernel
+derives each slot's block, token and address from the unit by arithmetic.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ CacheLike = torch.Tensor | RegionCache
 
 # Work buffer layout (must match ops/digest/kernel.py).
 HEADER = 8
-KIND_COLS = 8
-ITEM_COLS = 8
+KIND_COLS = 16
+REQ_COLS = 8
 ROW_COLS = 16
 MODE_BYTES, MODE_WORDS, MODE_VECTORS = 0, 1, 2
 # Units and in-block offsets are int32 inside the kernel.
 MAX_INT32 = 2**31 - 1
-# A unit walks at most this many items of one row; programs get >= this many units.
-MAX_ITEMS_PER_UNIT = 64
+# Tokens of a work unit (choose_chunk): powers of two; programs get at least
+# UNITS_PER_PROGRAM units where the launch has the tokens for it.
+MIN_CHUNK = 16
+MAX_CHUNK = 512
 UNITS_PER_PROGRAM = 4
 
 
@@ -71,16 +77,20 @@ class GroupSpan:
     """The tokens ``[start, end)`` of one request in one group.
 
     Attributes:
-        block_ids: the request's manager block ids in the group; entry ``i``
-            covers tokens ``[i * eb, (i + 1) * eb)``, ``eb = P * N *
+        block_ids: the request's manager block ids in the group from block
+            ``first_block`` on; entry ``i`` covers tokens ``[(first_block +
+            i) * eb, (first_block + i + 1) * eb)``, ``eb = P * N *
             dcp_world_size``. Only the blocks holding tokens of ``[start,
-            end)`` are read (and checked).
-        start, end: the token range to digest.
+            end)`` are read (and checked). An int64 numpy array is taken as
+            is (a slice); other sequences are checked entry by entry.
+        start, end: the token range to digest (``start >= first_block * eb``).
+        first_block: the block ``block_ids[0]`` is.
     """
 
-    block_ids: Sequence[int]
+    block_ids: Sequence[int] | np.ndarray
     start: int
     end: int
+    first_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -259,7 +269,8 @@ def group_rows(group: DigestGroup, index: int) -> GroupRows:
 
 
 def row_table(rows: Sequence[Row]) -> np.ndarray:
-    """The kernel's int64 row table ``[max(len(rows), 1), ROW_COLS]``."""
+    """The kernel's int64 row table ``[max(len(rows), 1), ROW_COLS]`` (strides
+    in the row's load unit: words in the word modes, bytes in byte mode)."""
     table = np.zeros((max(len(rows), 1), ROW_COLS), dtype=np.int64)
     for i, r in enumerate(rows):
         mode = r.mode
@@ -267,7 +278,7 @@ def row_table(rows: Sequence[Row]) -> np.ndarray:
         plane = r.plane - (1 << 64) if r.plane >= 1 << 63 else r.plane
         table[i, :14] = (
             r.base,
-            r.block_stride,
+            r.block_stride // unit,
             r.slot_stride // unit,
             r.n_words,
             r.run_bytes,
@@ -284,20 +295,18 @@ def row_table(rows: Sequence[Row]) -> np.ndarray:
     return table
 
 
-def _local_slots(offsets: np.ndarray, rank: int, world: int, ilv: int) -> np.ndarray:
-    """Vectorized ``dcp_local_valid_slots``: local slots below block offsets."""
-    turn = world * ilv
-    return (offsets // turn) * ilv + np.clip(offsets % turn - rank * ilv, 0, ilv)
+def span_request(
+    g: GroupRows, span: GroupSpan, segment: int, name: str
+) -> tuple[np.ndarray | None, tuple[int, int, int, int]]:
+    """The block table of one request's span in one group (None when there
+    is nothing to read) and its request row's fields ``(start, end, first
+    block, n_seg)``.
 
-
-def span_items(
-    g: GroupRows, span: GroupSpan, segment: int, cell_base: int, name: str
-) -> tuple[np.ndarray, int]:
-    """Items ``[k, ITEM_COLS]`` of one request's span in one group, and its
-    segment count ``ceil(end / segment)``.
-
-    ``cell_base`` is the output cell of (head 0, segment 0) of this span; its
-    cells are ``[heads, segments]`` from there.
+    The table holds the span's blocks from ``start // eb`` to the last one
+    with a token below ``end`` (``int64``; the kernel reads entry ``i - first
+    block`` for manager block ``i``). Cost: O(1) in Python, a slice and one
+    vectorized range check of the blocks when ``block_ids`` is an integer numpy array (a sequence is
+    checked entry by entry, by the kernel API's integer rule).
 
     Raises:
         ValueError: naming ``name``: a bad range, or a block id out of range.
@@ -305,84 +314,107 @@ def span_items(
     start = as_int(f"{name}.start", span.start, minimum=0)
     end = as_int(f"{name}.end", span.end, minimum=start)
     eb = g.tokens_per_block
+    skipped = as_int(f"{name}.first_block", span.first_block, minimum=0)
+    if start < skipped * eb:
+        raise ValueError(
+            f"{name}.start: {start} lies before first_block {skipped} (tokens from {skipped * eb})"
+        )
     blocks_needed = -(-end // eb) if eb else 0
-    if blocks_needed > len(span.block_ids):
+    ids = span.block_ids
+    if blocks_needed > skipped + len(ids):
         raise ValueError(
             f"{name}.block_ids: tokens [{start}, {end}) need {blocks_needed} blocks of {eb} "
-            f"tokens, got {len(span.block_ids)}"
+            f"tokens, got {len(ids)} from block {skipped}"
         )
     n_seg = -(-end // segment)
     if start == end or not g.rows:
-        return np.zeros((0, ITEM_COLS), dtype=np.int64), n_seg
-    table = int_rows(span.block_ids[start // eb : blocks_needed], 1, f"{name}.block_ids")[:, 0]
-    bad = (table < 0) | (table >= g.num_blocks)
-    if bad.any():
+        return None, (start, end, 0, n_seg)
+    first_block = start // eb
+    lo, hi = first_block - skipped, blocks_needed - skipped
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1:
+        table = ids[lo:hi]
+    else:
+        table = int_rows(ids[lo:hi], 1, f"{name}.block_ids")[:, 0]
+    # Negative ids are huge as uint64: one reduction checks both bounds.
+    if int(table.view(np.uint64).max()) >= g.num_blocks:
+        bad = (table < 0) | (table >= g.num_blocks)
         block = int(table[int(np.argmax(bad))])
         raise ValueError(f"{name}.block_ids: block id {block} out of range [0, {g.num_blocks})")
-    first_block = start // eb
-    cuts = np.union1d(
-        np.arange(first_block + 1, blocks_needed, dtype=np.int64) * eb,
-        np.arange(start // segment + 1, n_seg, dtype=np.int64) * segment,
-    )
-    bounds = np.concatenate([[start], cuts, [end]]).astype(np.int64)
-    lo, hi = bounds[:-1], bounds[1:]
-    blk = lo // eb
-    rank, world, ilv = g.dcp
-    klo = _local_slots(lo - blk * eb, rank, world, ilv)
-    khi = _local_slots(hi - blk * eb, rank, world, ilv)
-    keep = klo < khi
-    items = np.empty((int(keep.sum()), ITEM_COLS), dtype=np.int64)
-    blk = blk[keep]
-    items[:, 0] = table[blk - first_block]
-    items[:, 1] = klo[keep]
-    items[:, 2] = khi[keep]
-    items[:, 3] = blk * eb + rank * ilv
-    # Without DCP every formula reduces to slot s -> token pos_base + s.
-    items[:, 4] = ilv if world > 1 else 1
-    items[:, 5] = ilv * world if world > 1 else 1
-    items[:, 6] = cell_base + lo[keep] // segment
-    items[:, 7] = n_seg
-    return items, n_seg
+    return table, (start, end, first_block, n_seg)
 
 
-def items_per_unit(pairs: int, programs: int) -> int:
-    """Items one unit walks: enough to amortize a unit's set-up and its
-    atomic add, few enough that every program gets several units."""
-    return max(1, min(MAX_ITEMS_PER_UNIT, pairs // (UNITS_PER_PROGRAM * programs)))
+def choose_chunk(row_tokens: int, programs: int, segment: int) -> int:
+    """Tokens of a work unit: the largest power of two in ``[MIN_CHUNK,
+    min(MAX_CHUNK, segment)]`` that still gives every program
+    ``UNITS_PER_PROGRAM`` units (``row_tokens``: tokens times rows of the
+    launch). Large units amortize a unit's set-up (its request's search, its
+    row, its atomic add); small ones fill the GPU with short requests."""
+    per_unit = row_tokens // max(1, UNITS_PER_PROGRAM * programs)
+    chunk = 1 << max(per_unit, 1).bit_length() - 1
+    return max(MIN_CHUNK, min(chunk, MAX_CHUNK, segment))
+
+
+@dataclass
+class KindPlan:
+    """One group's share of a launch: its requests' tables and rows."""
+
+    group: GroupRows
+    first_row: int
+    tables: list[np.ndarray]
+    # start, end, first block, output cell, segments
+    requests: list[tuple[int, int, int, int, int]]
 
 
 def work_buffer(
-    kinds: Sequence[tuple[np.ndarray, int, int]], n_cells: int, programs: int
+    kinds: Sequence[KindPlan], n_cells: int, segment: int, chunk: int
 ) -> tuple[np.ndarray, int, int]:
     """The kernel's work buffer, its work units and the output's offset.
 
-    Args:
-        kinds: per group with work, ``(items, n_rows, first row)``.
-        n_cells: output cells, zeroed in the buffer (the kernel adds to them).
-        programs: the launch's grid size (sets the items per unit).
+    Layout (int64): the header ``n_kinds, units, output offset, segment,
+    chunk tokens``; per kind (``KIND_COLS``) ``first unit, rows, first row,
+    first request, requests, chunks, tokens per block, DCP rank, interleave,
+    turn``; per request (``REQ_COLS``) ``table offset, start, end, first
+    chunk (in the kind), output cell, segments, first chunk index (start //
+    chunk)``; the block tables; the output cells (zeroed). A unit is one
+    chunk of one request and one row (rows fastest). Only requests with
+    chunks are listed.
     """
-    n_items = sum(len(items) for items, _, _ in kinds)
-    pairs = sum(len(items) * n_rows for items, n_rows, _ in kinds)
-    per_unit = items_per_unit(pairs, programs)
-    out_offset = HEADER + KIND_COLS * len(kinds) + ITEM_COLS * n_items
+    n_req = 0
+    n_blocks = 0
+    for k in kinds:
+        n_req += len(k.requests)
+        for t in k.tables:
+            n_blocks += len(t)
+    req_offset = HEADER + KIND_COLS * len(kinds)
+    table_offset = req_offset + REQ_COLS * n_req
+    out_offset = table_offset + n_blocks
     work = np.zeros(out_offset + n_cells, dtype=np.int64)
-    units, item_start = 0, 0
-    body = work[HEADER + KIND_COLS * len(kinds) : out_offset].reshape(-1, ITEM_COLS)
-    for k, (items, n_rows, row_start) in enumerate(kinds):
-        n_chunks = -(-len(items) // per_unit)
-        work[HEADER + k * KIND_COLS : HEADER + k * KIND_COLS + 7] = (
-            units,
-            len(items),
-            n_rows,
-            item_start,
-            row_start,
-            per_unit,
-            n_chunks,
+    if n_blocks:
+        work[table_offset:out_offset] = np.concatenate([t for k in kinds for t in k.tables])
+    req_rows: list[tuple[int, ...]] = []
+    kind_rows: list[tuple[int, ...]] = []
+    units, pos = 0, table_offset
+    for k in kinds:
+        chunks = 0
+        first_req = len(req_rows)
+        for (start, end, first_block, cell, n_seg), table in zip(k.requests, k.tables, strict=True):
+            req_rows.append((pos - first_block, start, end, chunks, cell, n_seg, start // chunk, 0))
+            chunks += -(-end // chunk) - start // chunk
+            pos += len(table)
+        g = k.group
+        rank, world, ilv = g.dcp
+        dcp = (rank, ilv, ilv * world) if world > 1 else (0, 1, 1)
+        n_rows = len(g.rows)
+        kind_rows.append(
+            (units, n_rows, k.first_row, first_req, len(k.requests), chunks, g.tokens_per_block)
+            + dcp
+            + (0,) * (KIND_COLS - 10)
         )
-        body[item_start : item_start + len(items)] = items
-        units += n_chunks * n_rows
-        item_start += len(items)
-    if units > MAX_INT32 or n_items * ITEM_COLS > MAX_INT32:
+        units += chunks * n_rows
+    if kind_rows:
+        work[HEADER:req_offset] = np.array(kind_rows, dtype=np.int64).reshape(-1)
+        work[req_offset:table_offset] = np.array(req_rows, dtype=np.int64).reshape(-1)
+    if units > MAX_INT32 or out_offset > MAX_INT32:
         raise ValueError(f"requests: {units} work units exceed one launch; split the call")
-    work[:3] = (len(kinds), units, out_offset)
+    work[:5] = (len(kinds), units, out_offset, segment, chunk)
     return work, units, out_offset

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtail_connector.ops.digest.plan import Row
+from kvtail_connector.ops.digest.plan import KindPlan, Row
 from kvtail_connector.ops.digest.reference import POS_MUL, WORD_MUL
 
 _LOW31 = (1 << 31) - 1
@@ -39,21 +39,32 @@ def fmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 33) & _LOW31)
 
 
-def expand_items(items: np.ndarray) -> dict[str, np.ndarray]:
-    """Every slot of ``items`` (``[k, ITEM_COLS]``): block id, block-local
-    slot, global token, cell of head 0 and the cell stride, one entry per slot."""
-    counts = items[:, 2] - items[:, 1]
-    total = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    slot = np.repeat(items[:, 1], counts) + (np.arange(total, dtype=np.int64) - starts)
-    ilv, turn = np.repeat(items[:, 4], counts), np.repeat(items[:, 5], counts)
-    return {
-        "block": np.repeat(items[:, 0], counts),
-        "slot": slot,
-        "token": np.repeat(items[:, 3], counts) + (slot // ilv) * turn + slot % ilv,
-        "cell": np.repeat(items[:, 6], counts),
-        "cell_stride": np.repeat(items[:, 7], counts),
-    }
+def expand_requests(kind: KindPlan, segment: int) -> dict[str, np.ndarray]:
+    """Every slot of a kind's requests this rank holds: block id, block-local
+    slot, global token, cell of head 0 and the cell stride, one entry per slot
+    (numpy per request; this is the path for caches not on CUDA)."""
+    g = kind.group
+    rank, world, ilv = g.dcp
+    eb, spb = g.tokens_per_block, g.slots_per_block
+    local = np.arange(spb, dtype=np.int64)
+    # Token offset in its manager block of each block-local slot.
+    offset = rank * ilv + (local // ilv) * (ilv * world) + local % ilv if world > 1 else local
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("block", "slot", "token", "cell", "cs")}
+    for (start, end, first_block, cell, n_seg), table in zip(
+        kind.requests, kind.tables, strict=True
+    ):
+        index = first_block + np.arange(len(table), dtype=np.int64)
+        token = (index[:, None] * eb + offset[None, :]).reshape(-1)
+        keep = (token >= start) & (token < end)
+        token = token[keep]
+        parts["block"].append(np.repeat(table, spb)[keep])
+        parts["slot"].append(np.tile(local, len(table))[keep])
+        parts["token"].append(token)
+        parts["cell"].append(cell + token // segment)
+        parts["cs"].append(np.full(len(token), n_seg, dtype=np.int64))
+    out = {k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64) for k, v in parts.items()}
+    out["cell_stride"] = out.pop("cs")
+    return out
 
 
 def _byte_storage(t: torch.Tensor) -> torch.Tensor:
