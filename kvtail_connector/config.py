@@ -94,8 +94,10 @@ class KVTailConfig(BaseModel):
             start-up where it cannot work (see
             :func:`~kvtail_connector.policy.resolve_policy`). ``auto``: the
             same wherever it can work, off elsewhere (the start-up INFO line
-            says why; the default); a load that comes with no digest is
-            counted in ``digests_skipped``. ``off``: neither.
+            says why); a load that comes with no digest is counted in
+            ``digests_skipped``. ``off`` (the default): neither; the digest
+            still costs more than the project's budget for a default
+            (benchmarks/RESULTS.md §6).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -108,7 +110,7 @@ class KVTailConfig(BaseModel):
     probe_stale_tails: StrictBool = False
     vouch_tails: Literal["auto", "trust", "off"] = "auto"
     entry_key_env: str | None = None
-    verify_kv: Literal["off", "digest", "auto"] = "auto"
+    verify_kv: Literal["off", "digest", "auto"] = "off"
 
     @field_validator("backend", "backend_module_path")
     @classmethod

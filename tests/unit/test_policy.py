@@ -207,8 +207,8 @@ def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     assert auto.verify_kv_off is not None and why in auto.verify_kv_off
 
 
-def test_verify_kv_defaults_to_auto():
-    assert KVTailConfig(backend="NixlConnector").verify_kv == "auto"
+def test_verify_kv_is_off_by_default():
+    assert KVTailConfig(backend="NixlConnector").verify_kv == "off"
 
 
 def test_verify_kv_auto_is_digest_wherever_digest_works():

@@ -60,12 +60,13 @@ __all__ = [
 DEFAULT_SEGMENT = 1024
 MIN_SEGMENT = 256
 Implementation = Literal["auto", "triton", "torch"]
-# Lanes of one tile; its (slots, words) shape is chosen per digester. With
-# 4 warps that is 8 words per thread, which ptxas fits in 64 registers
-# without spills (sm_90, Triton 3.6), so 8 programs fill an SM's registers.
+# Lanes of one tile; its (slots, words) shape is chosen per digester. 4 warps,
+# 8 words per thread; a cap of 96 registers per thread beat 64 and no cap on
+# both shapes of the H200 sweep (benchmarks/digest_variants.py, RESULTS.md §6:
+# bf16 1.97 vs 1.36 TB/s, fp8 MLA 1.51 vs 0.87 TB/s).
 TILE = 1024
 NUM_WARPS = 4
-MAX_REGISTERS = 64
+MAX_REGISTERS = 96
 PROGRAMS_PER_SM = 8
 # Tokens of one work unit (with one row): None chooses per launch
 # (plan.choose_chunk); a power of two <= the segment fixes it.
