@@ -441,3 +441,25 @@ def test_with_a_key_only_a_signed_digest_is_used(sent, signed, monkeypatch):
     assert d.stats["digests_skipped"] == (0 if signed else 1)
     assert d.stats["failed_loads"] == 0
     assert outputs["c1"].finish_reason == FinishReason.LENGTH
+
+
+def test_a_load_only_planned_leaves_the_completion_pass_idle():
+    # A plan made at bind is used by the completion of its load (a pass with
+    # that id in finished_recving, never the fast path) or dropped there:
+    # loads in flight need no pass of their own.
+    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.features.kv_verification.worker import VerificationWorker
+    from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
+
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.randn(6, 2, BLOCK, 8, generator=g)]
+    worker = VerificationWorker(kv_digests_mod.HeadPlacement(), verifies_loads=True)
+    worker.register([CacheSet(0, 1, 1, list(caches))])
+    assert worker.idle
+    n = 40
+    digests = worker._digests
+    assert digests is not None
+    dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, {0: {}})
+    load = LoadRecord("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
+    worker.bind((), (load,))
+    assert worker.idle
