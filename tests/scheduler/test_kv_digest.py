@@ -463,3 +463,10 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     load = LoadRecord("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
     worker.bind((), (load,))
     assert worker.idle
+    # Sleep mode with the load in flight: it completes while released and is
+    # reported failed by the worker, with no pass that would drop its plan;
+    # nothing of it comes back with the caches.
+    assert digests.num_tracked == 1
+    worker.release()
+    worker.restore()
+    assert digests.num_tracked == 0 and worker.num_tracked == 0

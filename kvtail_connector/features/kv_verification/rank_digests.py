@@ -363,6 +363,16 @@ class RankDigests:
         return set(self._held)
 
     @property
+    def busy(self) -> bool:
+        """A load held or a verdict pending: a completion pass has work here
+        even with nothing completing (plans wait for their own load's pass)."""
+        return bool(self._held or self._verdicts)
+
+    def forget_all_plans(self) -> None:
+        """Drop every plan (sleep mode: a missing plan is made at completion)."""
+        self._planned.clear()
+
+    @property
     def num_tracked(self) -> int:
         return len(self._held) + len(self._verdicts) + len(self._planned)
 

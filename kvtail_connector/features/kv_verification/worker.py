@@ -61,6 +61,10 @@ class VerificationWorker:
         self._digests.warmup()
 
     def release(self) -> None:
+        if self._digests is not None:
+            # Loads completing while released are reported failed without a
+            # pass that would drop their plans: none is kept for restore().
+            self._digests.forget_all_plans()
         self._released, self._digests = self._digests, None
         self._released_states, self._states = self._states, None
 
@@ -193,7 +197,7 @@ class VerificationWorker:
         digests, states = self._digests, self._states
         return (
             not self._waiting
-            and (digests is None or not digests.num_tracked)
+            and (digests is None or not digests.busy)
             and (states is None or not states.num_tracked)
         )
 
