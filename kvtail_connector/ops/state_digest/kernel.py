@@ -7,6 +7,8 @@ built by ``ops/state_digest/launcher.py``.
 import triton
 import triton.language as tl
 
+from kvtail_connector.ops.digest.kernel import WORD_MUL, fmix64
+
 # Table layouts (must match ops/state_digest/launcher.py).
 ROW_COLS: tl.constexpr = tl.constexpr(4)
 UNIT_COLS: tl.constexpr = tl.constexpr(8)
@@ -14,19 +16,6 @@ UNIT_COLS: tl.constexpr = tl.constexpr(8)
 MODE_BYTES: tl.constexpr = tl.constexpr(0)
 MODE_WORDS: tl.constexpr = tl.constexpr(1)
 MODE_VECTORS: tl.constexpr = tl.constexpr(2)
-# mix64 constants (ops/digest/reference.py).
-WORD_MUL: tl.constexpr = tl.constexpr(0xBF58476D1CE4E5B9)
-
-
-@triton.jit
-def fmix64(x):
-    """MurmurHash3's 64-bit finalizer (as ``ops/digest/kernel.py``'s)."""
-    x = x ^ (x >> 33)
-    x = x * 0xFF51AFD7ED558CCD
-    x = x ^ (x >> 33)
-    x = x * 0xC4CEB9FE1A85EC53
-    x = x ^ (x >> 33)
-    return x
 
 
 @triton.jit
