@@ -113,7 +113,7 @@ def main() -> int:
             digests.check_loads(loads)
 
         def rebind(loads=loads):
-            digests._held.clear()
+            digests._checks._held.clear()
             digests.take_verdicts()
             digests.plan_loads(loads)
 
@@ -122,9 +122,9 @@ def main() -> int:
         rebind()
         d_complete()
         theirs = [np.array([sums[0][h] for h in range(8)], dtype=np.uint64)]
-        for check in digests._held.values():
+        for check in digests._checks._held.values():
             check.result = lambda theirs=theirs: [GroupDigest(tuple(range(8)), theirs[0])]
-        checks = list(digests._held.values())
+        checks = list(digests._checks._held.values())
         assert all(digests._compare(c) == rank_digests.VERIFIED for c in checks)
 
         def compare(checks=checks):

@@ -44,7 +44,7 @@ import torch
 
 from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
-from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
+from kvtail_connector.features.kv_verification.held_checks import HeldChecks
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
     MISMATCH,
@@ -170,11 +170,7 @@ class RankDigests:
         # pushed out is made again at completion).
         self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
         self._digesters: dict[tuple[int, bool], KVDigester] = {}
-        self._held: dict[str, _Check] = {}
-        # Released since the caller last said its results reached vLLM
-        # (:meth:`reported`): a failure in between must still report them.
-        self._unreported: set[str] = set()
-        self._verdicts: dict[str, str] = {}
+        self._checks: HeldChecks[_Check] = HeldChecks(self._compare)
 
     def warmup(self) -> None:
         """Compile the digest kernel now (at registration, not in the first
@@ -258,15 +254,16 @@ class RankDigests:
             if load is None or load.record is not r:
                 load = self._plan_load(r)
             if load.verdict is not None:
-                self._verdicts[r.req_id] = load.verdict
+                self._checks.decide(r.req_id, load.verdict)
                 continue
             todo.append(load)
         for segment, batch in _by_segment(todo, lambda p: p.segment):
             pending = self._digester(segment, producer=False).digest([p.spans for p in batch])
             results = pending.result  # read once, when first needed
             for i, load in enumerate(batch):
-                self._held[load.record.req_id] = _Check(
-                    load, functools.partial(_row, results, i), pending.event
+                self._checks.hold(
+                    load.record.req_id,
+                    _Check(load, functools.partial(_row, results, i), pending.event),
                 )
 
     def _plan_load(self, r: LoadRecord) -> PlannedLoad:
@@ -306,67 +303,37 @@ class RankDigests:
         )
 
     def release(self) -> tuple[set[str], set[str]]:
-        """``(finished, mismatched)``: held loads whose sums reached the host
-        (after :data:`~kvtail_connector.features.consumer_tails.hold.MAX_PASSES` passes,
-        waited for), compared; a mismatch is logged and goes in both sets,
-        as vLLM's ``failed_recving`` contract has it."""
-        finished: set[str] = set()
-        bad: set[str] = set()
-        for req_id, check in self._held.items():
-            check.passes += 1
-            if check.event is not None and not check.event.query():
-                if check.passes < MAX_PASSES:
-                    continue
-                check.event.synchronize()
-            finished.add(req_id)
-            verdict = self._compare(check)
-            self._verdicts[req_id] = verdict
-            if verdict == MISMATCH:
-                bad.add(req_id)
-        # Removed only once every one is compared: if a comparison raises,
-        # every load is still held, for the caller's fallback (drop_held).
-        for req_id in finished:
-            del self._held[req_id]
-        self._unreported.update(finished)
-        return finished, bad
+        """``(finished, mismatched)``: held loads whose sums reached the host,
+        compared (:meth:`HeldChecks.release`); a mismatch is logged."""
+        return self._checks.release()
 
     def reported(self) -> None:
         """What :meth:`release` returned has reached vLLM."""
-        self._unreported.clear()
+        self._checks.reported()
 
     def drop_held(self) -> set[str]:
-        """Forget every held load, uncompared (after a contained internal
-        error: the caller reports them failed); returns their ids, and those
-        released since the last :meth:`reported` (never returned to vLLM)."""
-        held = set(self._held)
+        """Forget every held load and plan, uncompared (after a contained
+        internal error: the caller reports them failed); returns their ids,
+        and those released since the last :meth:`reported`."""
         self._planned.clear()
-        for check in self._held.values():
-            if check.event is not None:
-                check.event.synchronize()  # the digest kernel read the blocks
-        self._held.clear()
-        held |= self._unreported
-        self._unreported.clear()
-        for req_id in held:
-            self._verdicts[req_id] = UNVERIFIED
-        return held
+        return self._checks.drop_held()
 
     def take_verdicts(self) -> dict[str, str]:
-        verdicts, self._verdicts = self._verdicts, {}
-        return verdicts
+        return self._checks.take_verdicts()
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._held
+        return req_id in self._checks
 
     @property
     def held(self) -> set[str]:
         """Loads whose completion waits for their digest."""
-        return set(self._held)
+        return self._checks.held
 
     @property
     def busy(self) -> bool:
         """A load held or a verdict pending: a completion pass has work here
         even with nothing completing (plans wait for their own load's pass)."""
-        return bool(self._held or self._verdicts)
+        return self._checks.busy
 
     def forget_all_plans(self) -> None:
         """Drop every plan (sleep mode: a missing plan is made at completion)."""
@@ -374,7 +341,7 @@ class RankDigests:
 
     @property
     def num_tracked(self) -> int:
-        return len(self._held) + len(self._verdicts) + len(self._planned)
+        return self._checks.num_tracked + len(self._planned)
 
     # --------------------------------------------------------------- helpers
 

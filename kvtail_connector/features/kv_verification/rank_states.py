@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvtail_connector import entry
-from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
+from kvtail_connector.features.kv_verification.held_checks import HeldChecks
 from kvtail_connector.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import (
@@ -134,9 +134,7 @@ class RankStates:
         self._digester = StateDigester([(s.group_id, s.layers) for s in sets], tp_rank)
         parts = [f"t{tp_size}"] + [f"g{s.group_id}:{'|'.join(s.layout)}" for s in sets]
         self.signature = hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
-        self._held: dict[str, _Check] = {}
-        self._unreported: set[str] = set()
-        self._verdicts: dict[str, str] = {}
+        self._checks: HeldChecks[_Check] = HeldChecks(self._compare)
 
     def __bool__(self) -> bool:
         return bool(self.group_ids)
@@ -174,7 +172,7 @@ class RankStates:
                 continue
             if states.algorithm != STATE_ALGORITHM or states.signature != self.signature:
                 logger.debug("kvtail: %s: state digest of another algorithm or layout", r.req_id)
-                self._verdicts[r.req_id] = UNVERIFIED
+                self._checks.decide(r.req_id, UNVERIFIED)
                 continue
             groups = tuple(
                 load.group
@@ -184,64 +182,38 @@ class RankStates:
                 and self.shard in states.sums.get(load.group, {})
             )
             if not groups:
-                self._verdicts[r.req_id] = UNVERIFIED
+                self._checks.decide(r.req_id, UNVERIFIED)
                 continue
             todo.append((r, groups))
         if not todo:
             return
         host, event = self._launch([self._blocks(r, groups) for r, groups in todo])
         for i, (r, groups) in enumerate(todo):
-            self._held[r.req_id] = _Check(r, host[i], event, groups)
+            self._checks.hold(r.req_id, _Check(r, host[i], event, groups))
 
     def release(self) -> tuple[set[str], set[str]]:
         """``(finished, mismatched)`` as :meth:`RankDigests.release`."""
-        finished: set[str] = set()
-        bad: set[str] = set()
-        for req_id, check in self._held.items():
-            check.passes += 1
-            if check.event is not None and not check.event.query():
-                if check.passes < MAX_PASSES:
-                    continue
-                check.event.synchronize()
-            finished.add(req_id)
-            verdict = self._compare(check)
-            self._verdicts[req_id] = verdict
-            if verdict == MISMATCH:
-                bad.add(req_id)
-        for req_id in finished:
-            del self._held[req_id]
-        self._unreported.update(finished)
-        return finished, bad
+        return self._checks.release()
 
     def reported(self) -> None:
-        self._unreported.clear()
+        self._checks.reported()
 
     def drop_held(self) -> set[str]:
-        held = set(self._held)
-        for check in self._held.values():
-            if check.event is not None:
-                check.event.synchronize()  # the digest read the blocks
-        self._held.clear()
-        held |= self._unreported
-        self._unreported.clear()
-        for req_id in held:
-            self._verdicts[req_id] = UNVERIFIED
-        return held
+        return self._checks.drop_held()
 
     def take_verdicts(self) -> dict[str, str]:
-        verdicts, self._verdicts = self._verdicts, {}
-        return verdicts
+        return self._checks.take_verdicts()
 
     def __contains__(self, req_id: object) -> bool:
-        return req_id in self._held
+        return req_id in self._checks
 
     @property
     def held(self) -> set[str]:
-        return set(self._held)
+        return self._checks.held
 
     @property
     def num_tracked(self) -> int:
-        return len(self._held) + len(self._verdicts)
+        return self._checks.num_tracked
 
     # --------------------------------------------------------------- helpers
 
