@@ -36,29 +36,11 @@ import sys
 import time
 
 import torch
-from digest_variants import _read_pages, device_ms, kernel_only
+from digest_variants import _read_pages, device_ms, kernel_only, make_cache
 
 from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
 
 TARGET_RATIO = 0.85  # of a plain read of the same bytes
-
-
-def make_cache(device, num_layers, num_blocks, heads, slots, content, dtype):
-    """Per-layer LBHNC views of one random buffer."""
-    el = torch.empty((), dtype=dtype).element_size()
-    page = heads * slots * content * el
-    raw = torch.empty(num_layers * num_blocks * page, dtype=torch.uint8, device=device)
-    raw.random_(0, 256)
-    views = [
-        torch.as_strided(
-            raw,
-            (num_blocks, heads, slots, content * el),
-            (page, slots * content * el, content * el, 1),
-            layer * num_blocks * page,
-        ).view(dtype)
-        for layer in range(num_layers)
-    ]
-    return raw, views
 
 
 def cases(device):
@@ -168,7 +150,7 @@ def main() -> int:
     print("-" * len(header))
     for name, shape, lengths, batch in cases(device):
         layers, num_blocks, heads, slots, content, dtype = shape
-        raw, views = make_cache(device, layers, num_blocks, heads, slots, content, dtype)
+        raw, views, _ = make_cache(device, layers, num_blocks, heads, slots, content, dtype)
         page = heads * slots * content * views[0].element_size()
         digester = KVDigester([DigestGroup(views)], implementation=args.implementation)
         digester.warmup()

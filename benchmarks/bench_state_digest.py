@@ -45,6 +45,8 @@ from without_vllm import install_if_absent
 
 VLLM_STOOD_IN = install_if_absent()  # before anything below imports vLLM
 
+from digest_variants import device_ms  # noqa: E402
+
 from kvtail_connector.ops.state_digest import StateDigester, StateLayer  # noqa: E402
 
 DEVICE = "cuda"  # tests/unit/test_bench_state_digest_cpu.py runs the rows on "cpu"
@@ -95,17 +97,8 @@ def host_us(fn, reps: int) -> float:
 
 
 def device_us(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
-    return median(out)
+    """Median device µs of what ``fn`` enqueues, behind a sleep kernel."""
+    return device_ms(fn, reps) * 1e3
 
 
 def floor_read(groups: list[tuple[int, list[StateLayer]]], blocks: list[list[int]]):
