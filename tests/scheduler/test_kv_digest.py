@@ -337,25 +337,37 @@ def test_a_digest_that_never_lands_is_waited_for_after_max_passes(sent, monkeypa
 # ------------------------------------------------------------ ranks and wire
 
 
-def _rank_parts(full: list[torch.Tensor], tp: int, blocks: list[int], n: int) -> list[Any]:
-    """Each TP rank's part of one request's digest, its heads sliced as vLLM
-    shards them (replicated where TP exceeds the KV heads)."""
+def rank_heads(rank: int, tp: int, total: int) -> list[int]:
+    """The global KV heads vLLM gives TP rank ``rank`` of ``tp`` (replicated
+    where TP exceeds the KV heads)."""
+    if tp <= total:
+        per = total // tp
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank // (tp // total)]
+
+
+def rank_part(caches: list[Any], blocks: list[int], n: int, placement: Any = None) -> Any:
+    """A producer rank's part of request ``r``'s digest: tokens ``[0, n)`` of
+    ``blocks`` in group 0 (``caches``: its layers, views or region caches)."""
     from kvtail_connector.cache_sets import CacheSet
     from kvtail_connector.metadata import GroupLoad, LoadRecord
 
-    heads = full[0].shape[1]
+    sets = [CacheSet(0, 1, 1, list(caches))]
+    digests = kv_digests_mod.RankDigests(sets, placement or kv_digests_mod.HeadPlacement())
+    record = LoadRecord("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
+    return digests.digest_prompts([record])["r"]
+
+
+def _rank_parts(full: list[torch.Tensor], tp: int, blocks: list[int], n: int) -> list[Any]:
+    """Each TP rank's part of one request's digest, its heads sliced as vLLM
+    shards them."""
+    total = full[0].shape[1]
     parts = []
     for rank in range(tp):
-        if tp <= heads:
-            per = heads // tp
-            local = [c[:, rank * per : (rank + 1) * per].clone() for c in full]
-        else:
-            head = rank // (tp // heads)
-            local = [c[:, head : head + 1].clone() for c in full]
-        sets = [CacheSet(0, 1, 1, list(local))]
-        digests = kv_digests_mod.RankDigests(sets, kv_digests_mod.HeadPlacement(rank, tp, heads))
-        record = LoadRecord("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
-        parts.append(digests.digest_prompts([record])["r"])
+        heads = rank_heads(rank, tp, total)
+        local = [c[:, heads].clone() for c in full]
+        placement = kv_digests_mod.HeadPlacement(rank, tp, total)
+        parts.append(rank_part(local, blocks, n, placement))
     return parts
 
 
@@ -384,16 +396,21 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
     assert a.merged(DigestPart("mix64-1", 1024, "a" * 16, {0: {1: (2,)}})).digest() is not None
 
 
-def _rank_check(caches, blocks, n, sums, num_local=0):
-    """D's verdict on a load of tokens ``[num_local, n)`` of ``blocks``
-    checked against ``sums`` (planned at bind, compared at release)."""
-    from kvtail_connector.cache_sets import CacheSet
+def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
+    """A consumer rank's verdict on a load of tokens ``[num_local, n)`` of
+    ``blocks`` in group 0 (planned at bind, compared at release), checked
+    against ``digest``: a producer's ``entry.Digest``, or sums taken as made
+    with this rank's own signature."""
+    from kvtail_connector.cache_sets import CacheSet, cache_slots
     from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
 
-    digests = kv_digests_mod.RankDigests([CacheSet(0, 1, 1, list(caches))])
-    segment = entry.segment_for(n)
-    dg = entry.Digest(ALGORITHM, segment, digests.signature, sums)
-    first = num_local // BLOCK
+    digests = kv_digests_mod.RankDigests(
+        [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
+    )
+    dg = digest
+    if not isinstance(dg, entry.Digest):
+        dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, digest)
+    first = num_local // cache_slots(caches[0])
     load = LoadRecord(
         "r",
         num_local,
@@ -416,13 +433,13 @@ def test_a_head_the_producer_did_not_send_is_skipped_and_the_others_still_count(
     (ref,) = reference_digest([{"caches": caches}], [[(blocks, 0, n)]], 1024)[0]
     full = {0: {h: tuple(v) for h, v in ref.items()}}
     without_2 = {0: {h: v for h, v in full[0].items() if h != 2}}
-    assert _rank_check(caches, blocks, n, full) == VERIFIED
-    assert _rank_check(caches, blocks, n, without_2) == UNVERIFIED
+    assert rank_verdict(caches, blocks, n, full) == VERIFIED
+    assert rank_verdict(caches, blocks, n, without_2) == UNVERIFIED
     caches[1][blocks[1], 2, 3, 0] += 1  # in the head P did not send: not seen
-    assert _rank_check(caches, blocks, n, without_2) == UNVERIFIED
+    assert rank_verdict(caches, blocks, n, without_2) == UNVERIFIED
     caches[1][blocks[1], 0, 3, 0] += 1  # in one it sent: a mismatch
-    assert _rank_check(caches, blocks, n, without_2) == MISMATCH
-    assert _rank_check(caches, blocks, n, full) == MISMATCH
+    assert rank_verdict(caches, blocks, n, without_2) == MISMATCH
+    assert rank_verdict(caches, blocks, n, full) == MISMATCH
 
 
 # ------------------------------------------------------------ the shared key

@@ -25,9 +25,19 @@ Sums are keyed by logical coordinates (``ops/digest/``): P and D may differ
 in block ids, block size, page layout and TP. Covered: every KV cache group
 with token tails held in one cache set of one slot per token; other groups
 (several page splits, compressed states) and groups whose blocks a
-sliding window dropped are not digested. Page layouts described as regions
-(CPU attention, ROCm, the fp8 indexer) count as one head and so compare only
-between equal layouts at TP 1.
+sliding window dropped are not digested.
+
+Page layouts described as regions (CPU attention, ROCm paged attention, the
+fp8 indexer) have no per-head view: a rank's region cache is one head, keyed
+by :meth:`HeadPlacement.heads` with one local head. Where TP shards the KV
+heads that key is the rank's index and its sums cover the rank's whole shard;
+where TP replicates them (TP > KV heads: one real head per rank; MLA and its
+indexer, one latent on every rank) it is the real global head, counted on its
+lowest replica by P and compared on every replica by D. The signature carries
+the page description and the real heads one key covers
+(:attr:`HeadPlacement.heads_per_rank`), so region sums compare exactly between
+P and D that key them alike: the same heads per rank (at more than one, the
+same TP) and the same pages; any other pair is not verified, never a mismatch.
 """
 
 from __future__ import annotations
@@ -79,10 +89,18 @@ class HeadPlacement:
     tp_size: int = 1
     total_kv_heads: int = 1
 
+    @property
+    def heads_per_rank(self) -> int:
+        """Real KV heads each rank holds (vLLM: ``max(1, total // tp)``): what
+        the one head of a region cache sums over."""
+        return max(1, self.total_kv_heads // self.tp_size)
+
     def heads(self, local: int) -> tuple[int, list[int] | None]:
         """``(head_offset, counted_heads)`` of a cache with ``local`` heads on
         this rank. Heads replicated over ranks (TP > KV heads) are counted on
-        their lowest replica only, so that the ranks' sums add up."""
+        their lowest replica only, so that the ranks' sums add up. vLLM gives
+        each rank one KV head wherever TP exceeds them, so the offset there is
+        that head's global index."""
         if self.tp_size <= self.total_kv_heads:
             return self.tp_rank * local, None
         replicas = self.tp_size // max(self.total_kv_heads, 1)
@@ -148,24 +166,19 @@ class RankDigests:
         self._sets: list[CacheSet] = []
         excluded = []
         for gid, sets in sorted(by_group.items()):
-            regions = any(isinstance(c, RegionCache) for c in sets[0].caches)
-            if (
-                len(sets) != 1
-                or sets[0].tokens_per_state != 1
-                or (regions and self.placement.tp_size > 1)
-            ):
+            if len(sets) != 1 or sets[0].tokens_per_state != 1:
                 excluded.append(gid)
                 continue
             self._sets.append(sets[0])
         if excluded:
             logger.info(
                 "KVTailConnector: verify_kv: KV cache group(s) %s not digested (several page "
-                "splits, compressed states, or region-described pages under TP)",
+                "splits or compressed states)",
                 excluded,
             )
         self.group_ids = tuple(s.group_id for s in self._sets)
         self._block_tokens = {gid: record_block_tokens(self._sets, gid) for gid in self.group_ids}
-        self.signature = _signature(self._sets, self.placement.tp_size)
+        self.signature = _signature(self._sets, self.placement.heads_per_rank)
         # Loads planned at bind, until they complete (bounded: a plan that was
         # pushed out is made again at completion).
         self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
@@ -386,6 +399,16 @@ class RankDigests:
             return GroupSpan(ids, start, end, first_block=load.first_block)
         return None
 
+    def _head_name(self, group: int, head: int) -> str:
+        """What a sum's head key names, for messages: a KV head, or where a
+        region page holds several, this rank's heads."""
+        per_rank = self.placement.heads_per_rank
+        caches = next(s.caches for s in self._sets if s.group_id == group)
+        if per_rank > 1 and any(isinstance(c, RegionCache) for c in caches):
+            first = self.placement.tp_rank * per_rank
+            return f"KV heads {first}-{first + per_rank - 1} (digested as one page)"
+        return f"KV head {head}"
+
     def _sums(self, results: Any, index: int) -> entry.Sums:
         out: entry.Sums = {}
         for gid, digest in zip(self.group_ids, results()[index], strict=True):
@@ -424,11 +447,11 @@ class RankDigests:
             segment = load.segment
             logger.warning(
                 "KVTailConnector: request %s: the loaded KV differs from what the producer "
-                "digested: KV cache group %d, KV head %d, tokens [%d, %d) (%d of %d segment "
+                "digested: KV cache group %d, %s, tokens [%d, %d) (%d of %d segment "
                 "sum(s) differ); reporting the load failed (kv_load_failure_policy applies)",
                 record.req_id,
                 gid,
-                head,
+                self._head_name(gid, head),
                 s * segment,
                 min((s + 1) * segment, expected.num_tokens),
                 bad,
@@ -471,17 +494,18 @@ def _row(results: Any, index: int) -> Any:
     return results()[index]
 
 
-def _signature(sets: Sequence[CacheSet], tp_size: int) -> str:
+def _signature(sets: Sequence[CacheSet], heads_per_rank: int) -> str:
     """What the sums are keyed on, TP- and block-size-independent for
-    ``[B, H, N, C]`` views (group, layers, words per head, dtype), the whole
-    page description for region caches."""
+    ``[B, H, N, C]`` views (group, layers, words per head, dtype); for region
+    caches the whole page description and the real KV heads their one key
+    sums over (above one, a key is a TP rank's shard: equal only at equal TP)."""
     parts = []
     for s in sets:
         parts.append(f"g{s.group_id}:{len(s.caches)}")
         for c in s.caches:
             if isinstance(c, RegionCache):
                 regions = [(r.slot_bytes, r.first_slot, r.n_slots, r.slot_step) for r in c.regions]
-                parts.append(f"r:{c.slots_per_page}:{tp_size}:{c.tensor.dtype}:{regions}")
+                parts.append(f"r:{c.slots_per_page}:{heads_per_rank}:{c.tensor.dtype}:{regions}")
             else:
                 parts.append(f"v:{c.dtype}:{int(c.shape[3])}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

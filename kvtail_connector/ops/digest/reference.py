@@ -21,9 +21,11 @@ Definition (algorithm ``mix64-1``; all arithmetic modulo 2**64)::
 - Content of a ``[B, H, N, C]`` view's slot for head ``h``: the ``C``
   elements ``view[page, h, slot, :]`` in order, each element's bytes as
   stored (little-endian). K and V are part of ``C`` in vLLM's views.
-- Content of a :class:`RegionCache` slot: its local head is 0, and each
-  region that serves the slot contributes its run of bytes; region ``r``'s
-  words are numbered from ``sum(ceil(slot_bytes(r') / 4) for r' < r)``.
+- Content of a :class:`RegionCache` slot: its local head is 0 (its global
+  head ``h`` is ``head_offset``, whatever KV heads its pages hold; the
+  connector's TP keying of it: ``features/kv_verification/rank_digests.py``),
+  and each region that serves the slot contributes its run of bytes; region
+  ``r``'s words are numbered from ``sum(ceil(slot_bytes(r') / 4) for r' < r)``.
 - Word ``w`` of a run is the little-endian uint32 of bytes ``[4w, 4w + 4)``;
   a run whose length is not a multiple of 4 ends in a partial word holding
   its last 1-3 bytes in the low bytes and zeros above (sub-word slots are
