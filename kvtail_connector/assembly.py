@@ -94,6 +94,7 @@ class EngineFacts:
     producer_hook: ProducerHook | None
     dcp_world_size: int
     pipeline_parallel_size: int
+    prefill_context_parallel_size: int
 
 
 def assemble(
@@ -195,6 +196,9 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, adapter: InnerAdapter)
         producer_hook=cast("ProducerHook | None", _compat.producer_tail_hook(vllm_config)),
         dcp_world_size=_compat.dcp_world_size(parallel),
         pipeline_parallel_size=int(parallel.pipeline_parallel_size),
+        prefill_context_parallel_size=int(
+            getattr(parallel, "prefill_context_parallel_size", 1) or 1
+        ),
     )
 
 

@@ -122,6 +122,7 @@ def _digest_duties(
     producer_hook: ProducerHook | None,
     dcp_world_size: int,
     pipeline_parallel_size: int,
+    prefill_context_parallel_size: int = 1,
 ) -> tuple[bool, bool, str | None]:
     """``(digests_prompts, verifies_loads, why_off)`` for ``verify_kv``; where
     the digest cannot work, ``digest`` is refused here, at start-up, never
@@ -157,6 +158,12 @@ def _digest_duties(
             f"pipeline parallelism (size {pipeline_parallel_size}) gives each rank a subset "
             "of the layers a segment's sum covers"
         )
+    elif is_producer and prefill_context_parallel_size > 1:
+        refusal = (
+            f"prefill context parallelism (size {prefill_context_parallel_size}) runs a "
+            "prompt on ranks that share a TP rank, so the producer's ranks would count its "
+            "KV more than once"
+        )
     elif is_producer and not is_consumer and producer_hook is None:
         refusal = (
             "no runner hook on this producer is ordered after the prompt's last KV write "
@@ -189,6 +196,7 @@ def resolve_policy(
     producer_hook: ProducerHook | None = None,
     dcp_world_size: int = 1,
     pipeline_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
 ) -> TailPolicy:
     """The policy for one engine.
 
@@ -211,6 +219,8 @@ def resolve_policy(
             None where no hook is, e.g. a drafter writes KV past the prompt).
         dcp_world_size, pipeline_parallel_size: this engine's DCP and PP sizes
             (``verify_kv`` needs both to be 1).
+        prefill_context_parallel_size: this engine's PCP size (a producer's
+            ``verify_kv`` needs 1).
 
     Raises:
         ValueError: ``verify_kv: digest`` where it cannot work (see
@@ -243,6 +253,7 @@ def resolve_policy(
         producer_hook=producer_hook,
         dcp_world_size=dcp_world_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        prefill_context_parallel_size=prefill_context_parallel_size,
     )
     check = cfg.vouch_tails != "off" and is_consumer and carries_producer_tail
     by_layer = zero_reads and reads_may_land_per_layer

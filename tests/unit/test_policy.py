@@ -193,8 +193,9 @@ def test_verify_kv_digests_on_producers_and_verifies_on_consumers():
         ({"is_consumer": True, "dcp_world_size": 2}, "decode context parallelism"),
         ({"is_producer": True, "pipeline_parallel_size": 2}, "pipeline parallelism"),
         ({"is_producer": True, "producer_hook": None}, "drafter"),
+        ({"is_producer": True, "prefill_context_parallel_size": 2}, "prefill context parallel"),
     ],
-    ids=["store-consumer", "store-producer", "sync-read", "dcp", "pp", "drafter"],
+    ids=["store-consumer", "store-producer", "sync-read", "dcp", "pp", "drafter", "pcp"],
 )
 def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     with pytest.raises(ValueError, match="kv_connector_extra_config.verify_kv") as e:
@@ -228,6 +229,11 @@ def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_noth
     # vLLM's NIXL examples run decode engines as kv_both; decode engines run MTP/EAGLE.
     both = _verify(is_producer=True, is_consumer=True, producer_hook=None)
     assert both.verifies_loads and not both.digests_prompts
+
+
+def test_a_consumer_with_prefill_context_parallelism_still_verifies():
+    # PCP alone replicates the KV cache: each rank checks its own copy.
+    assert _verify(is_consumer=True, prefill_context_parallel_size=2).verifies_loads
 
 
 def test_a_producer_with_sync_reads_may_digest():

@@ -30,7 +30,8 @@ sliding window dropped are not digested.
 Page layouts described as regions (CPU attention, ROCm paged attention, the
 fp8 indexer) have no per-head view: a rank's region cache is one head, keyed
 by :meth:`HeadPlacement.heads` with one local head. Where TP shards the KV
-heads that key is the rank's index and its sums cover the rank's whole shard;
+heads that key is the group's head offset on this rank (the rank's index for
+region caches alone) and its sums cover the rank's whole shard;
 where TP replicates them (TP > KV heads: one real head per rank; MLA and its
 indexer, one latent on every rank) it is the real global head, counted on its
 lowest replica by P and compared on every replica by D. The signature carries
