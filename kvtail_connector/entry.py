@@ -316,6 +316,10 @@ class Reading:
     raw: Mapping[str, Any] | None = None
 
 
+# Most params carry no entry: one shared reading for them (immutable).
+ABSENT = Reading(None, "absent")
+
+
 def measure(raw: Any, max_nodes: int) -> int | None:
     """Values in ``raw`` (dicts, lists and scalars; keys are checked with
     their dict), or None as soon as it holds more than ``max_nodes``, nests
@@ -365,7 +369,7 @@ def read(
     entry will be checked) the ``dg`` is neither walked nor parsed."""
     raw = params.get(KEY) if isinstance(params, Mapping) else None
     if raw is None:
-        return Reading(None, "absent")
+        return ABSENT
     if not isinstance(raw, dict):
         return Reading(None, "malformed")
     version = raw.get("v")

@@ -34,7 +34,6 @@ hook by hook:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from kvtail_connector import entry
@@ -200,12 +199,9 @@ class TailScheduler:
             # Tokens [n, loaded) would go uncompared yet counted verified.
             self._verify.unrecorded()
             expected = None
-        # Once per load: vLLM builds the id lists block by block.
-        block_ids = blocks.get_block_ids()
         loaded_groups = records.loaded_groups(request)
-        self._errors.started(
-            request.request_id, records.written_blocks(block_ids, loaded_groups, local, loaded)
-        )
+        written = records.written_blocks(blocks, loaded_groups, local, loaded)
+        self._errors.started(request.request_id, written)
         if not policy.zeroes_tails and expected is None:
             return
         record = records.record(
@@ -214,8 +210,8 @@ class TailScheduler:
             local,
             loaded,
             keep=expected is not None,
-            block_ids=block_ids,
             loaded_groups=loaded_groups,
+            written=written,
         )
         if record is None:
             if expected is not None and self._verify is not None:
@@ -227,14 +223,14 @@ class TailScheduler:
             and claims is not None
             and claims.used(request, claim, record, policy.trusts_load_claims)
         ):
-            record = dataclasses.replace(record, vouched=True)
+            record = record._replace(vouched=True)
         if expected is not None:
             states = (
-                self._verify.consumer_states(block_ids, loaded_groups)
+                self._verify.consumer_states(blocks.get_block_ids(), loaded_groups)
                 if self._verify is not None and expected.digest.states is not None
                 else ()
             )
-            record = dataclasses.replace(record, expected=expected, states=states)
+            record = record._replace(expected=expected, states=states)
         self._tails.add(record)
 
     def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
