@@ -187,7 +187,9 @@ class KVTailStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not self._touched and all(s.is_empty() for s in self.inner_stats.values())
+        return not self._touched and (
+            not self.inner_stats or all(s.is_empty() for s in self.inner_stats.values())
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVTailStats:
