@@ -329,11 +329,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         scheduler = self._scheduler
         assert scheduler is not None, "scheduler-side hook"
+        read = True
         try:
             # Before the inner update, which may rewrite what the entry's
-            # binding covers (NIXL push seeds remote_block_ids there).
-            scheduler.read_entry(request, num_external_tokens)
-            read = True
+            # binding covers (NIXL push seeds remote_block_ids there). Nothing
+            # to read without external tokens (vLLM's second call, once a
+            # load is done).
+            if num_external_tokens > 0:
+                scheduler.read_entry(request, num_external_tokens)
         except Exception as exc:
             read = False
             self._guard.failed(

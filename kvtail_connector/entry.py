@@ -367,7 +367,8 @@ def read(
     a walk of ``limits.max_nodes`` values and one strict parse of what
     passed it. Without ``digest`` (and ``walk_digest``: a MAC over the whole
     entry will be checked) the ``dg`` is neither walked nor parsed."""
-    raw = params.get(KEY) if isinstance(params, Mapping) else None
+    # dict first: most params are one, and the Mapping ABC check costs a call.
+    raw = params.get(KEY) if isinstance(params, (dict, Mapping)) else None
     if raw is None:
         return ABSENT
     if not isinstance(raw, dict):

@@ -279,7 +279,8 @@ class TailScheduler:
                 len(read_loads),
                 len(producer),
             )
-        self._tails.clear()
+        if loads:
+            self._tails.clear()
         if kept is not None:
             # Last: should anything above raise, vLLM's zero list is untouched
             # and it zeroes the READ destinations as without the wrapper.
@@ -401,8 +402,19 @@ class TailScheduler:
 
     def held_requests(self) -> int:
         """Requests this side holds state for (the ``held_requests`` gauge)."""
+        # Claims and verification hold requests in their producer halves only.
         # Each part's ids are distinct: a union only where two parts hold some.
-        held = [ids for part in self._parts() if (ids := part.held())]
+        held = []
+        for part in (
+            self._starts,
+            self._errors,
+            self._tails,
+            self._reads,
+            self._vouching,
+            self._digesting,
+        ):
+            if part is not None and (ids := part.held()):
+                held.append(ids)
         return len(held[0]) if len(held) == 1 else len(set().union(*held))
 
     @property

@@ -136,11 +136,13 @@ class LoadRecords:
         entries = []
         any_tail = False
         sizes = self._tail_sizes
-        for gid, ids in zip(loaded_groups, written, strict=True):
+        # written has one list per loaded group, in its order (by construction).
+        for gid, ids in zip(loaded_groups, written, strict=False):
             eb = sizes[gid]
             if eb is None:
                 continue
-            any_tail = any_tail or tail_block(loaded, eb) is not None
+            if loaded % eb:  # a partial last block (tail_block): a tail
+                any_tail = True
             entries.append(GroupLoad(gid, local // eb, null_as_ours(tuple(ids))))
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale to zero, nothing to watch
