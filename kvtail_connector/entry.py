@@ -355,6 +355,13 @@ def measure(raw: Any, max_nodes: int) -> int | None:
     return seen
 
 
+def raw_entry(params: Any) -> Any:
+    """What ``params`` (a request's ``kv_transfer_params``, from the network)
+    holds under :data:`KEY`, unchecked; None where nothing (or no mapping)."""
+    # dict first: most params are one, and the Mapping ABC check costs a call.
+    return params.get(KEY) if isinstance(params, (dict, Mapping)) else None
+
+
 def read(
     params: Mapping[str, Any] | None,
     limits: Limits = UNBOUNDED,
@@ -367,8 +374,7 @@ def read(
     a walk of ``limits.max_nodes`` values and one strict parse of what
     passed it. Without ``digest`` (and ``walk_digest``: a MAC over the whole
     entry will be checked) the ``dg`` is neither walked nor parsed."""
-    # dict first: most params are one, and the Mapping ABC check costs a call.
-    raw = params.get(KEY) if isinstance(params, (dict, Mapping)) else None
+    raw = raw_entry(params)
     if raw is None:
         return ABSENT
     if not isinstance(raw, dict):

@@ -207,6 +207,10 @@ class EntryReader:
             self._entries[req_id] = seen
             return
         claims, bind, digest = self._asks[load_async]
+        if not digest and entry.raw_entry(request.kv_transfer_params) is None:
+            # No entry, and no digest whose absence is counted: nothing to
+            # remember (read again, it reads the same: absent).
+            return
         if claims or digest:
             found = self._read(request, claims=claims, bind=bind, digest=digest)
             self._entries[req_id] = self._seen[req_id] = found
