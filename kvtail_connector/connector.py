@@ -378,7 +378,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # single-token prefill (max_tokens = 1) here, which is what we claim for.
         self._inner.on_new_request(request)
         scheduler = self._scheduler
-        if scheduler is not None:
+        if scheduler is not None and scheduler.notes_arrivals:
             try:
                 scheduler.on_new_request(request)
             except Exception as exc:

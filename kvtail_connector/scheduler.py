@@ -144,6 +144,8 @@ class TailScheduler:
         # whose per-request and per-step hooks skip them.
         self._vouching = self._claims if policy.vouches_for_tails else None
         self._digesting = self._verify if policy.digests_prompts else None
+        # Whether on_new_request does anything (the facade skips it otherwise).
+        self.notes_arrivals = self._vouching is not None or self._digesting is not None
 
     # ----------------------------------------------------------------- hooks
 
