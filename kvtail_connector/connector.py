@@ -329,11 +329,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         scheduler = self._scheduler
         assert scheduler is not None, "scheduler-side hook"
+        read = True
         try:
             # Before the inner update, which may rewrite what the entry's
-            # binding covers (NIXL push seeds remote_block_ids there).
-            scheduler.read_entry(request, num_external_tokens)
-            read = True
+            # binding covers (NIXL push seeds remote_block_ids there). Nothing
+            # to read without external tokens (vLLM's second call, once a
+            # load is done).
+            if num_external_tokens > 0:
+                scheduler.read_entry(request, num_external_tokens)
         except Exception as exc:
             read = False
             self._guard.failed(
@@ -375,7 +378,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # single-token prefill (max_tokens = 1) here, which is what we claim for.
         self._inner.on_new_request(request)
         scheduler = self._scheduler
-        if scheduler is not None:
+        if scheduler is not None and scheduler.notes_arrivals:
             try:
                 scheduler.on_new_request(request)
             except Exception as exc:
@@ -389,7 +392,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         # The inner connector sees its own worker metadata, as if unwrapped.
         ours = connector_output.kv_connector_worker_meta
-        if isinstance(ours, KVTailWorkerMeta):
+        if ours is not None and isinstance(ours, KVTailWorkerMeta):
             connector_output.kv_connector_worker_meta = ours.inner
             try:
                 self._inner.update_connector_output(connector_output)

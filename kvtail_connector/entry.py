@@ -316,6 +316,10 @@ class Reading:
     raw: Mapping[str, Any] | None = None
 
 
+# Most params carry no entry: one shared reading for them (immutable).
+ABSENT = Reading(None, "absent")
+
+
 def measure(raw: Any, max_nodes: int) -> int | None:
     """Values in ``raw`` (dicts, lists and scalars; keys are checked with
     their dict), or None as soon as it holds more than ``max_nodes``, nests
@@ -351,6 +355,13 @@ def measure(raw: Any, max_nodes: int) -> int | None:
     return seen
 
 
+def raw_entry(params: Any) -> Any:
+    """What ``params`` (a request's ``kv_transfer_params``, from the network)
+    holds under :data:`KEY`, unchecked; None where nothing (or no mapping)."""
+    # dict first: most params are one, and the Mapping ABC check costs a call.
+    return params.get(KEY) if isinstance(params, (dict, Mapping)) else None
+
+
 def read(
     params: Mapping[str, Any] | None,
     limits: Limits = UNBOUNDED,
@@ -363,9 +374,9 @@ def read(
     a walk of ``limits.max_nodes`` values and one strict parse of what
     passed it. Without ``digest`` (and ``walk_digest``: a MAC over the whole
     entry will be checked) the ``dg`` is neither walked nor parsed."""
-    raw = params.get(KEY) if isinstance(params, Mapping) else None
+    raw = raw_entry(params)
     if raw is None:
-        return Reading(None, "absent")
+        return ABSENT
     if not isinstance(raw, dict):
         return Reading(None, "malformed")
     version = raw.get("v")

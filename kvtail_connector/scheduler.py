@@ -34,13 +34,13 @@ hook by hook:
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from typing import Any
 
 from kvtail_connector import entry
 from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.features.consumer_tails.scheduler import ConsumerTailsScheduler
-from kvtail_connector.features.entries import EntryReader, EntryWriter, binding_nodes
+from kvtail_connector.features.entries import NOTHING, EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.features.kv_verification.scheduler import VerificationScheduler
 from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
 from kvtail_connector.features.load_starts import LoadStarts, Start
@@ -139,6 +139,13 @@ class TailScheduler:
             if policy.zeroes_read_tails or policy.excludes_reads
             else None
         )
+        # The parts' producer halves (requests noted at arrival, records of
+        # completing prompts, params kept at the finish): None on a consumer,
+        # whose per-request and per-step hooks skip them.
+        self._vouching = self._claims if policy.vouches_for_tails else None
+        self._digesting = self._verify if policy.digests_prompts else None
+        # Whether on_new_request does anything (the facade skips it otherwise).
+        self.notes_arrivals = self._vouching is not None or self._digesting is not None
 
     # ----------------------------------------------------------------- hooks
 
@@ -147,10 +154,10 @@ class TailScheduler:
 
     def on_new_request(self, request: Any) -> None:
         """A producer notes the remote-decode prefill legs it vouches for or digests."""
-        if self._claims is not None:
-            self._claims.on_new_request(request)
-        if self._verify is not None:
-            self._verify.on_new_request(request)
+        if self._vouching is not None:
+            self._vouching.on_new_request(request)
+        if self._digesting is not None:
+            self._digesting.on_new_request(request)
 
     def matched(
         self, request: Any, num_computed_tokens: int, count: int | None, load_async: bool
@@ -172,10 +179,17 @@ class TailScheduler:
         """After the inner ``update_state_after_alloc`` (called by the facade),
         and after :meth:`read_entry` (called before it)."""
         req_id = request.request_id
+        if num_external_tokens <= 0:
+            # Nothing loaded (vLLM's second call, once a load is done, among
+            # them): the match and any reading are forgotten.
+            self._starts.pop(req_id)
+            if self._reader is not None:
+                self._reader.drop(req_id)
+            return
         # Forgotten at the end: contain_alloc needs it if this raises.
         start = self._starts.get(req_id)
-        claim, expected = self._reader.take(req_id) if self._reader is not None else (None, None)
-        if num_external_tokens > 0 and start is not None:
+        claim, expected = self._reader.take(req_id) if self._reader is not None else NOTHING
+        if start is not None:
             self._allocated(request, blocks, num_external_tokens, start, claim, expected)
         self._starts.pop(req_id)
 
@@ -200,12 +214,9 @@ class TailScheduler:
             # Tokens [n, loaded) would go uncompared yet counted verified.
             self._verify.unrecorded()
             expected = None
-        # Once per load: vLLM builds the id lists block by block.
-        block_ids = blocks.get_block_ids()
         loaded_groups = records.loaded_groups(request)
-        self._errors.started(
-            request.request_id, records.written_blocks(block_ids, loaded_groups, local, loaded)
-        )
+        written = records.written_blocks(blocks, loaded_groups, local, loaded)
+        self._errors.started(request.request_id, written)
         if not policy.zeroes_tails and expected is None:
             return
         record = records.record(
@@ -214,8 +225,8 @@ class TailScheduler:
             local,
             loaded,
             keep=expected is not None,
-            block_ids=block_ids,
             loaded_groups=loaded_groups,
+            written=written,
         )
         if record is None:
             if expected is not None and self._verify is not None:
@@ -223,36 +234,37 @@ class TailScheduler:
             return
         claims = self._claims
         if (
-            policy.zeroes_tails
+            claim is not None
+            and policy.zeroes_tails
             and claims is not None
             and claims.used(request, claim, record, policy.trusts_load_claims)
         ):
-            record = dataclasses.replace(record, vouched=True)
+            record = record._replace(vouched=True)
         if expected is not None:
             states = (
-                self._verify.consumer_states(block_ids, loaded_groups)
+                self._verify.consumer_states(blocks.get_block_ids(), loaded_groups)
                 if self._verify is not None and expected.digest.states is not None
                 else ()
             )
-            record = dataclasses.replace(record, expected=expected, states=states)
+            record = record._replace(expected=expected, states=states)
         self._tails.add(record)
 
     def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
         """``inner_meta``: what the inner ``build_connector_meta`` returned."""
-        claims, verify, manager = self._claims, self._verify, self._kv_cache_manager
+        vouching, digesting, manager = self._vouching, self._digesting, self._kv_cache_manager
         # Params left by an update_from_output that had no connector output:
         # they have left the engine; no entry is added to them after that.
-        if claims is not None:
-            claims.drop_provisional()
-        if verify is not None:
-            verify.drop_provisional()
+        if vouching is not None:
+            vouching.drop_provisional()
+        if digesting is not None:
+            digesting.drop_provisional()
         read_loads, kept = (
             self._reads.build(scheduler_output, inner_meta)
             if self._reads is not None
             else ((), None)
         )
-        producer = claims.producer_records(scheduler_output, manager) if claims else ()
-        digests = verify.digest_records(scheduler_output, manager) if verify else ()
+        producer = vouching.producer_records(scheduler_output, manager) if vouching else ()
+        digests = digesting.digest_records(scheduler_output, manager) if digesting else ()
         loads = self._tails.pending
         meta = KVTailMetadata(
             inner=inner_meta,
@@ -262,14 +274,15 @@ class TailScheduler:
             producer_digests=digests,
             failing=self._errors.take_failing() if self._errors.failing else (),
         )
-        if loads or read_loads or producer:
+        if (loads or read_loads or producer) and logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "kvtail: shipping %d load(s), %d READ load(s), %d producer tail(s)",
                 len(loads),
                 len(read_loads),
                 len(producer),
             )
-        self._tails.clear()
+        if loads:
+            self._tails.clear()
         if kept is not None:
             # Last: should anything above raise, vLLM's zero list is untouched
             # and it zeroes the READ destinations as without the wrapper.
@@ -283,10 +296,10 @@ class TailScheduler:
         self._starts.pop(req_id)
         if self._reader is not None:
             self._reader.forget(req_id)
-        if self._claims is not None:
-            self._claims.request_finished(request, params)
-        if self._verify is not None:
-            self._verify.request_finished(request, params)
+        if self._vouching is not None:
+            self._vouching.request_finished(request, params)
+        if self._digesting is not None:
+            self._digesting.request_finished(request, params)
 
     def update_connector_output(
         self, connector_output: Any, worker_meta: KVTailWorkerMeta | None = None
@@ -314,9 +327,9 @@ class TailScheduler:
             claims.count_false_vouches(worker_meta.false_vouches, errors.in_flight)
         if verify is not None and self._policy.verifies_loads:
             verify.count_verdicts(connector_output, worker_meta, errors.in_flight)
-        for req_id in errors.settle(connector_output):
-            if claims is not None:
-                claims.load_finished(req_id)
+        done = errors.settle(connector_output)
+        if claims is not None and done:
+            claims.loads_finished(done)
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook
@@ -361,26 +374,27 @@ class TailScheduler:
         """``update_connector_output`` failed: no claim from this call; loads
         reported finished are forgotten."""
         claims, verify = self._claims, self._verify
-        if claims is not None:
-            claims.drop_provisional()
-        if verify is not None:
-            verify.drop_provisional()
-        for req_id in connector_output.finished_recving or ():
+        if self._vouching is not None:
+            self._vouching.drop_provisional()
+        if self._digesting is not None:
+            self._digesting.drop_provisional()
+        finished = tuple(connector_output.finished_recving or ())
+        for req_id in finished:
             self._errors.finished((req_id,))
             if verify is not None:
                 verify.load_finished(req_id)
-            if claims is not None:
-                claims.load_finished(req_id)
+        if claims is not None:
+            claims.loads_finished(finished)
 
     def forget(self, req_id: str) -> None:
         """``on_new_request`` or ``request_finished`` failed: no claim for it."""
         self._starts.pop(req_id)
         if self._reader is not None:
             self._reader.forget(req_id)
-        if self._claims is not None:
-            self._claims.forget(req_id)
-        if self._verify is not None:
-            self._verify.forget(req_id)
+        if self._vouching is not None:
+            self._vouching.forget(req_id)
+        if self._digesting is not None:
+            self._digesting.forget(req_id)
 
     # ----------------------------------------------------------- accounting
 
@@ -390,10 +404,20 @@ class TailScheduler:
 
     def held_requests(self) -> int:
         """Requests this side holds state for (the ``held_requests`` gauge)."""
-        held: set[str] = set()
-        for part in self._parts():
-            held |= part.held()
-        return len(held)
+        # Claims and verification hold requests in their producer halves only.
+        # Each part's ids are distinct: a union only where two parts hold some.
+        held = []
+        for part in (
+            self._starts,
+            self._errors,
+            self._tails,
+            self._reads,
+            self._vouching,
+            self._digesting,
+        ):
+            if part is not None and (ids := part.held()):
+                held.append(ids)
+        return len(held[0]) if len(held) == 1 else len(set().union(*held))
 
     @property
     def num_tracked(self) -> int:

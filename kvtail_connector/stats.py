@@ -46,6 +46,7 @@ COUNTERS = (
 # reports its level in every step where it is non-zero or has just changed,
 # and leaves it out otherwise; the largest value reported in a step wins.
 GAUGES = ("held_requests",)
+_COUNTER_SET = frozenset(COUNTERS)
 INNER = "inner"  # {"module:QualName" of an inner connector class: its stats payload}
 
 
@@ -112,10 +113,13 @@ class KVTailStats(KVConnectorStats):
     inner_stats: dict[str, KVConnectorStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in COUNTERS:
-            self.data.setdefault(name, 0)
+        data = self.data
+        # Built every step a counter moved (take): C-level checks, no genexpr.
+        if not data.keys() >= _COUNTER_SET:
+            for name in COUNTERS:
+                data.setdefault(name, 0)
         # Cheap emptiness for the per-step report (is_empty runs every step).
-        self._touched = any(int(self.data[name]) for name in COUNTERS)
+        self._touched = any(map(int, map(data.__getitem__, COUNTERS)))
 
     def add(self, counter: str, amount: int = 1) -> None:
         self.data[counter] = int(self.data[counter]) + int(amount)
@@ -187,7 +191,9 @@ class KVTailStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not self._touched and all(s.is_empty() for s in self.inner_stats.values())
+        return not self._touched and (
+            not self.inner_stats or all(s.is_empty() for s in self.inner_stats.values())
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVTailStats:

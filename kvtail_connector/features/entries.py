@@ -175,7 +175,6 @@ class EntryReader:
         key: bytes | None,
         stats: KVTailStats,
     ) -> None:
-        self._policy = policy
         self._geometry = geometry
         self._limits = limits
         self._binding_nodes = binding_nodes
@@ -185,6 +184,20 @@ class EntryReader:
         # until it finishes (read once per request).
         self._entries: dict[str, Reading] = {}
         self._seen: dict[str, Reading] = {}
+        # By load_async: what the reading is for (claims, bind, digest).
+        # Claims are read where their path zeroes tails; the binding (and
+        # MAC) only where something depends on it: a claim that can skip a
+        # zeroing, or a digest that can fail a load.
+        self._asks: dict[bool, tuple[bool, bool, bool]] = {}
+        for load_async in (True, False):
+            claims = policy.checks_claims and (
+                policy.zeroes_tails if load_async else policy.zeroes_read_tails
+            )
+            digest = load_async and policy.verifies_loads
+            usable = claims and (
+                policy.trusts_load_claims if load_async else policy.trusts_read_claims
+            )
+            self._asks[load_async] = (claims, usable or digest, digest)
 
     def read(self, request: Any, load_async: bool) -> None:
         """Read ``request``'s entry for the allocation that follows."""
@@ -193,18 +206,13 @@ class EntryReader:
         if seen is not None:  # allocated again (0.32's MoRIIO re-matches): counted once
             self._entries[req_id] = seen
             return
-        policy = self._policy
-        claims = policy.checks_claims and (
-            policy.zeroes_tails if load_async else policy.zeroes_read_tails
-        )
-        digest = load_async and policy.verifies_loads
+        claims, bind, digest = self._asks[load_async]
+        if not digest and entry.raw_entry(request.kv_transfer_params) is None:
+            # No entry, and no digest whose absence is counted: nothing to
+            # remember (read again, it reads the same: absent).
+            return
         if claims or digest:
-            # The binding (and MAC) only where something depends on them: a
-            # claim that can skip a zeroing, or a digest that can fail a load.
-            usable = claims and (
-                policy.trusts_load_claims if load_async else policy.trusts_read_claims
-            )
-            found = self._read(request, claims=claims, bind=usable or digest, digest=digest)
+            found = self._read(request, claims=claims, bind=bind, digest=digest)
             self._entries[req_id] = self._seen[req_id] = found
 
     def take(self, req_id: str) -> Reading:

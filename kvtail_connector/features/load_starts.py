@@ -9,6 +9,7 @@ the allocation that consumes it (or the request's end).
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 Start = tuple[int, bool]  # (local computed tokens, the load is async)
@@ -35,8 +36,8 @@ class LoadStarts:
     def pop(self, req_id: str) -> Start | None:
         return self._matched.pop(req_id, None)
 
-    def held(self) -> set[str]:
-        return set(self._matched)
+    def held(self) -> AbstractSet[str]:
+        return self._matched.keys()
 
     @property
     def num_tracked(self) -> int:

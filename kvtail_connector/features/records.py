@@ -79,6 +79,12 @@ class LoadRecords:
         self._inner = inner
         self.groups = groups
         self._every = records_every_load
+        # Per group id, read once per load: tokens per manager block, and
+        # that block size where the group has token tails (else None).
+        self._sizes = tuple(info.effective_block for info in groups)
+        self._tail_sizes = tuple(
+            info.effective_block if info.has_tails else None for info in groups
+        )
 
     def tail_index(self, num_loaded: int, group: int) -> int | None:
         tail = tail_block(num_loaded, self.groups[group].effective_block)
@@ -93,16 +99,18 @@ class LoadRecords:
             raise
 
     def written_blocks(
-        self, block_ids: Any, loaded_groups: Any, local: int, loaded: int
+        self, blocks: Any, loaded_groups: Any, local: int, loaded: int
     ) -> tuple[list[int], ...]:
         """Per group in ``loaded_groups``, the ids of the blocks a load of
-        tokens ``[local, loaded)`` writes (list slices: null blocks left in,
-        for the reader to skip; nothing per block in Python)."""
-        groups = self.groups
+        tokens ``[local, loaded)`` writes (null blocks left in, for the reader
+        to skip). ``blocks``: vLLM's ``KVCacheBlocks`` of the request; only
+        the written blocks' ids are read (its ``get_block_ids`` lists every
+        block of every group)."""
+        sizes, per_group = self._sizes, blocks.blocks
         out = []
         for gid in loaded_groups:
-            eb = groups[gid].effective_block
-            out.append(block_ids[gid][local // eb : -(-loaded // eb)])
+            eb = sizes[gid]
+            out.append([b.block_id for b in per_group[gid][local // eb : -(-loaded // eb)]])
         return tuple(out)
 
     def record(
@@ -114,29 +122,28 @@ class LoadRecords:
         *,
         tails_only: bool = False,
         keep: bool = False,
-        block_ids: Any = None,
         loaded_groups: Any = None,
+        written: tuple[list[int], ...] | None = None,
     ) -> LoadRecord | None:
         """The load's record, or None when block-aligned (nothing to zero or
-        watch) unless ``keep`` (a load to verify). ``block_ids`` and
-        ``loaded_groups``: ``blocks.get_block_ids()`` and
-        :meth:`loaded_groups`, where the caller has them already."""
-        if block_ids is None:
-            block_ids = blocks.get_block_ids()
+        watch) unless ``keep`` (a load to verify). ``loaded_groups`` and
+        ``written``: :meth:`loaded_groups` and :meth:`written_blocks`, where
+        the caller has them already."""
         if loaded_groups is None:
             loaded_groups = self.loaded_groups(request)
+        if written is None:
+            written = self.written_blocks(blocks, loaded_groups, local, loaded)
         entries = []
         any_tail = False
-        for gid in loaded_groups:
-            info = self.groups[gid]
-            if not info.has_tails:
+        sizes = self._tail_sizes
+        # written has one list per loaded group, in its order (by construction).
+        for gid, ids in zip(loaded_groups, written, strict=False):
+            eb = sizes[gid]
+            if eb is None:
                 continue
-            eb = info.effective_block
-            any_tail = any_tail or tail_block(loaded, eb) is not None
-            first = local // eb
-            last = -(-loaded // eb)  # one past the last block the load writes
-            ids = null_as_ours(tuple(block_ids[gid][first:last]))
-            entries.append(GroupLoad(group=gid, first_block=first, block_ids=ids))
+            if loaded % eb:  # a partial last block (tail_block): a tail
+                any_tail = True
+            entries.append(GroupLoad(gid, local // eb, null_as_ours(tuple(ids))))
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale to zero, nothing to watch
         return LoadRecord(request.request_id, local, loaded, tuple(entries))

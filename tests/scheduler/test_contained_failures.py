@@ -232,9 +232,9 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_reader._read", "_records.written_blocks"])
+@pytest.mark.parametrize("method", ["_reader.read", "_records.written_blocks"])
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
-    # _read_entry: read_entry fails, the scheduler's update never runs;
+    # _reader.read: read_entry fails, the scheduler's update never runs;
     # _written_blocks: the update fails before the load is tracked in flight.
     h = Harness("always")
     owner, _, name = method.rpartition(".")

@@ -12,6 +12,7 @@ completes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtail_connector import _compat
@@ -58,7 +59,8 @@ class LoadErrorsScheduler:
     def settle(self, connector_output: Any) -> list[str]:
         """Count this step's new failures; forget the loads reported finished
         and return their ids."""
-        failed = set(connector_output.failed_recving or ()) & self._in_flight.keys()
+        reported = connector_output.failed_recving
+        failed = set(reported) & self._in_flight.keys() if reported else set()
         invalid = connector_output.invalid_block_ids
         if invalid:
             # vLLM's null block is shared, never a load's own: not a failure.
@@ -68,23 +70,23 @@ class LoadErrorsScheduler:
                 for r, blocks in self._in_flight.items()
                 if any(not invalid.isdisjoint(ids) for ids in blocks)
             )
-        new = failed - self._failed
-        if new:
-            self._stats.add("failed_loads", len(new))
-            self._failed |= new
+        if failed:
+            new = failed - self._failed
+            if new:
+                self._stats.add("failed_loads", len(new))
+                self._failed |= new
         return self.finished(connector_output.finished_recving or ())
 
     def finished(self, req_ids: Iterable[str]) -> list[str]:
         """Forget these loads; the ids of those that were in flight."""
-        done = []
-        for req_id in req_ids:
-            if self._in_flight.pop(req_id, None) is not None:
-                self._failed.discard(req_id)
-                done.append(req_id)
+        in_flight = self._in_flight
+        done = [req_id for req_id in req_ids if in_flight.pop(req_id, None) is not None]
+        if self._failed:
+            self._failed.difference_update(done)
         return done
 
-    def held(self) -> set[str]:
-        return set(self._in_flight)
+    def held(self) -> AbstractSet[str]:
+        return self._in_flight.keys()
 
     @property
     def num_tracked(self) -> int:

@@ -18,6 +18,8 @@ worker's probe found once per request.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtail_connector import _compat
@@ -148,16 +150,17 @@ class ClaimsScheduler:
             self._stats.add("false_vouches", len(new))
             self._false_vouched |= new
 
-    def load_finished(self, req_id: str) -> None:
-        self._false_vouched.discard(req_id)
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        if self._false_vouched:
+            self._false_vouched.difference_update(req_ids)
 
     def forget(self, req_id: str) -> None:
         self._producing.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._finished.forget(req_id)
 
-    def held(self) -> set[str]:
-        return set(self._producing)
+    def held(self) -> AbstractSet[str]:
+        return self._producing.keys()
 
     @property
     def num_tracked(self) -> int:

@@ -11,7 +11,6 @@ record goes to the workers, which zero it once the READ has landed.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
@@ -121,7 +120,7 @@ class ReadTailsScheduler:
             ):
                 claims = self._claims
                 if claims is not None and claims.used(request, claim, record, self._trust):
-                    record = dataclasses.replace(record, vouched=True)
+                    record = record._replace(vouched=True)
                 out.append(record)
         self._pending.clear()
         return tuple(out)

@@ -64,7 +64,7 @@ def test_a_failed_metadata_build_leaves_vllms_zero_list_untouched(make_run):  # 
     assert tails <= set(out.new_block_ids_to_zero)
 
 
-@pytest.mark.parametrize("fault", ["_reader._read", "update_state_after_alloc", "_allocated"])
+@pytest.mark.parametrize("fault", ["_reader.read", "update_state_after_alloc", "_allocated"])
 def test_a_failed_alloc_still_ships_the_read_record(make_run, fault):  # noqa: F811
     ref_run, ref, ref_tails = _read_step(make_run, None)
     run, out, tails = _read_step(make_run, fault)
