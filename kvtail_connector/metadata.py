@@ -12,6 +12,8 @@ KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
      KVTailWorkerMeta.digests and verdicts (``verify_kv``).
   4: KVTailMetadata.failing; KVTailWorkerMeta.false_vouches.
   5: LoadRecord.states; DigestPart.states (state groups digested).
+  6: GroupLoad.block_ids pickled as one int64 buffer (an ``array('q')`` in a
+     worker process).
 
 This protocol is in-process (scheduler <-> workers of one engine); what
 crosses from a producer to a consumer is the ``kvtail`` entry
@@ -20,7 +22,10 @@ crosses from a producer to a consumer is the ``kvtail`` entry
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import struct
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtail_connector.entry import Digest, StateDigest, StateSums, Sums
 
-KVTAIL_PROTOCOL_VERSION = 5
+KVTAIL_PROTOCOL_VERSION = 6
 MASK64 = (1 << 64) - 1
 
 NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
@@ -50,12 +55,42 @@ class GroupLoad(NamedTuple):
         first_block: index, in the request's block list, of ``block_ids[0]``
             (the block holding token ``num_local``).
         block_ids: the blocks covering tokens ``[num_local, num_loaded)``;
-            :data:`NULL_BLOCK` for null (skipped) blocks.
+            :data:`NULL_BLOCK` for null (skipped) blocks. A tuple where the
+            scheduler built it; an ``array('q')`` once pickled to a worker
+            process (a multi-process executor): index, slice, iterate or
+            ``np.frombuffer`` it, never hash or compare it to a tuple.
     """
 
     group: int
     first_block: int
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # To a worker process the ids travel as one int64 buffer: one object
+        # to unpickle and, when the load completes, to free, where a tuple
+        # is one int object per block (64 for a 1k-token load).
+        return (GroupLoad, (self.group, self.first_block, _WireIds(self.block_ids)))
+
+
+class _WireIds:
+    """Block ids on their way to a worker process: pickled as
+    ``array('q', <int64 bytes>)``."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = ids
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        ids = self.ids
+        raw = ids.tobytes() if isinstance(ids, array) else _int64s(len(ids)).pack(*ids)
+        return (array, ("q", raw))
+
+
+@functools.lru_cache(maxsize=512)
+def _int64s(n: int) -> struct.Struct:
+    # Native order and size, as array('q') reads its bytes back.
+    return struct.Struct(f"={n}q")
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ import atexit
 import functools
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -559,10 +560,13 @@ def run_worker_step(
 
     Mirrors ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (identical in
     0.32 and 0.33), preceded by ``handle_preemptions`` as the V1 runner does.
-    There is no forward context: ``start_load_kv`` gets ``None``.
+    There is no forward context: ``start_load_kv`` gets ``None``. The metadata
+    arrives pickled, as a multi-process executor (TP > 1) delivers it; the
+    worker unit tests and the end-to-end engines (one process) bind it as built.
     """
     meta = scheduler_output.kv_connector_metadata
     assert meta is not None, "the scheduler had no connector"
+    meta = pickle.loads(pickle.dumps(meta))
     worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)  # type: ignore[arg-type]
