@@ -487,3 +487,63 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     worker.release()
     worker.restore()
     assert digests.num_tracked == 0 and worker.num_tracked == 0
+
+
+# A group whose layers hold fewer KV heads than the model reports (Gemma-4-style
+# full-attention layers: 2 KV heads where the model's total is 8): vLLM gives a
+# rank max(1, 2 // tp) of the layer's own heads.
+_LAYER_HEADS, _MODEL_HEADS = 2, 8
+
+
+def _group_parts(full, tp, blocks, n):
+    parts = []
+    for rank in range(tp):
+        local = [c[:, rank_heads(rank, tp, _LAYER_HEADS)].clone() for c in full]
+        placement = kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS)
+        parts.append(rank_part(local, blocks, n, placement))
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merged(part)
+    return merged.digest()
+
+
+def _group_verdicts(full, tp, blocks, n, digest):
+    return [
+        rank_verdict(
+            [c[:, rank_heads(rank, tp, _LAYER_HEADS)].clone() for c in full],
+            blocks,
+            n,
+            digest,
+            placement=kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS),
+        )
+        for rank in range(tp)
+    ]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 4), (4, 1), (2, 4), (1, 2)])
+def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp, d_tp):
+    from kvtail_connector.metadata import UNVERIFIED
+
+    g = torch.Generator().manual_seed(11)
+    full = [torch.randn(6, _LAYER_HEADS, BLOCK, 8, generator=g) for _ in range(2)]
+    blocks, n = [4, 1, 5], 40
+    digest = _group_parts(full, p_tp, blocks, n)
+    # Equal content: such a group is keyed by rank, so sums are not compared
+    # across TP (keyed from the model's count, P TP 1 against D TP 4 was a false
+    # mismatch on one D rank; some pairs happened to agree and are now skipped).
+    assert _group_verdicts(full, d_tp, blocks, n, digest) == [UNVERIFIED] * d_tp
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (4, 4), (8, 16), (16, 8)])
+def test_a_group_with_other_heads_than_the_model_is_checked_where_keys_agree(p_tp, d_tp):
+    from kvtail_connector.metadata import MISMATCH, VERIFIED
+
+    g = torch.Generator().manual_seed(12)
+    full = [torch.randn(6, _LAYER_HEADS, BLOCK, 8, generator=g) for _ in range(2)]
+    blocks, n = [4, 1, 5], 40
+    digest = _group_parts(full, p_tp, blocks, n)
+    assert _group_verdicts(full, d_tp, blocks, n, digest) == [VERIFIED] * d_tp
+    full[1][blocks[1], 1, 3, 0] += 1  # head 1, inside the loaded range
+    verdicts = _group_verdicts(full, d_tp, blocks, n, digest)
+    holds_head_1 = [1 in rank_heads(r, d_tp, _LAYER_HEADS) for r in range(d_tp)]
+    assert verdicts == [MISMATCH if h else VERIFIED for h in holds_head_1]

@@ -107,6 +107,18 @@ class HeadPlacement:
         replicas = self.tp_size // max(self.total_kv_heads, 1)
         return self.tp_rank // replicas, [0] if self.tp_rank % replicas == 0 else []
 
+    def view_heads(self, local: int) -> tuple[int, list[int] | None]:
+        """:meth:`heads` of a ``[B, H, N, C]`` view with ``local`` heads. A
+        group whose layers hold other KV heads than the model's total (vLLM
+        gives a rank ``max(1, heads // tp)`` of a layer's own heads; the model
+        reports one total) cannot be keyed by global head from the model's
+        count: its heads are keyed by rank instead, ``tp_rank * local + h``,
+        every rank counted, and :func:`_signature` says so, so that such sums
+        compare only between P and D at the same TP."""
+        if local != self.heads_per_rank:
+            return self.tp_rank * local, None
+        return self.heads(local)
+
 
 @dataclass(frozen=True)
 class PlannedPrompt:
@@ -179,7 +191,7 @@ class RankDigests:
             )
         self.group_ids = tuple(s.group_id for s in self._sets)
         self._block_tokens = {gid: record_block_tokens(self._sets, gid) for gid in self.group_ids}
-        self.signature = _signature(self._sets, self.placement.heads_per_rank)
+        self.signature = _signature(self._sets, self.placement)
         # Loads planned at bind, until they complete (bounded: a plan that was
         # pushed out is made again at completion).
         self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
@@ -371,7 +383,9 @@ class RankDigests:
                     (1 if isinstance(c, RegionCache) else int(c.shape[1]) for c in s.caches),
                     default=1,
                 )
-                offset, counted = self.placement.heads(local)
+                regions = any(isinstance(c, RegionCache) for c in s.caches)
+                placement = self.placement
+                offset, counted = placement.heads(local) if regions else placement.view_heads(local)
                 groups.append(
                     DigestGroup(
                         s.caches,
@@ -495,11 +509,14 @@ def _row(results: Any, index: int) -> Any:
     return results()[index]
 
 
-def _signature(sets: Sequence[CacheSet], heads_per_rank: int) -> str:
+def _signature(sets: Sequence[CacheSet], placement: HeadPlacement) -> str:
     """What the sums are keyed on, TP- and block-size-independent for
-    ``[B, H, N, C]`` views (group, layers, words per head, dtype); for region
-    caches the whole page description and the real KV heads their one key
-    sums over (above one, a key is a TP rank's shard: equal only at equal TP)."""
+    ``[B, H, N, C]`` views (group, layers, words per head, dtype) whose heads
+    are the model's (else the TP size and local heads too: keyed by rank, see
+    :meth:`HeadPlacement.view_heads`); for region caches the whole page
+    description and the real KV heads their one key sums over (above one, a key
+    is a TP rank's shard: equal only at equal TP)."""
+    heads_per_rank = placement.heads_per_rank
     parts = []
     for s in sets:
         parts.append(f"g{s.group_id}:{len(s.caches)}")
@@ -508,5 +525,7 @@ def _signature(sets: Sequence[CacheSet], heads_per_rank: int) -> str:
                 regions = [(r.slot_bytes, r.first_slot, r.n_slots, r.slot_step) for r in c.regions]
                 parts.append(f"r:{c.slots_per_page}:{heads_per_rank}:{c.tensor.dtype}:{regions}")
             else:
-                parts.append(f"v:{c.dtype}:{int(c.shape[3])}")
+                local = int(c.shape[1])
+                by_rank = f":tp{placement.tp_size}:h{local}" if local != heads_per_rank else ""
+                parts.append(f"v:{c.dtype}:{int(c.shape[3])}{by_rank}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
