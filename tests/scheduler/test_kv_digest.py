@@ -507,6 +507,12 @@ def _group_parts(full, tp, blocks, n):
     return merged.digest()
 
 
+def _group_case(seed):
+    """Two layers of a group with the layer's own KV heads; three blocks, 40 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, _LAYER_HEADS, BLOCK, 8, generator=g) for _ in range(2)], [4, 1, 5], 40
+
+
 def _group_verdicts(full, tp, blocks, n, digest):
     return [
         rank_verdict(
@@ -524,9 +530,7 @@ def _group_verdicts(full, tp, blocks, n, digest):
 def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp, d_tp):
     from kvtail_connector.metadata import UNVERIFIED
 
-    g = torch.Generator().manual_seed(11)
-    full = [torch.randn(6, _LAYER_HEADS, BLOCK, 8, generator=g) for _ in range(2)]
-    blocks, n = [4, 1, 5], 40
+    full, blocks, n = _group_case(11)
     digest = _group_parts(full, p_tp, blocks, n)
     # Equal content: such a group is keyed by rank, so sums are not compared
     # across TP (keyed from the model's count, P TP 1 against D TP 4 was a false
@@ -538,9 +542,7 @@ def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp,
 def test_a_group_with_other_heads_than_the_model_is_checked_where_keys_agree(p_tp, d_tp):
     from kvtail_connector.metadata import MISMATCH, VERIFIED
 
-    g = torch.Generator().manual_seed(12)
-    full = [torch.randn(6, _LAYER_HEADS, BLOCK, 8, generator=g) for _ in range(2)]
-    blocks, n = [4, 1, 5], 40
+    full, blocks, n = _group_case(12)
     digest = _group_parts(full, p_tp, blocks, n)
     assert _group_verdicts(full, d_tp, blocks, n, digest) == [VERIFIED] * d_tp
     full[1][blocks[1], 1, 3, 0] += 1  # head 1, inside the loaded range
