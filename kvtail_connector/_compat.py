@@ -130,6 +130,11 @@ def dcp_world_size(parallel_config: Any) -> int:
     return int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
 
 
+def pcp_world_size(parallel_config: Any) -> int:
+    """``prefill_context_parallel_size`` (absent or 0 means 1; 0.32 and 0.33)."""
+    return int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
+
+
 def cp_interleave_auto_resolved(parallel_config: Any) -> bool:
     """Whether vLLM may set ``cp_kv_cache_interleave_size`` itself (the user did
     not set it: ``ParallelConfig._allow_auto_resolve_cp_interleave_size``, 0.32

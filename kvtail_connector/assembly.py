@@ -196,9 +196,7 @@ def _engine_facts(vllm_config: Any, kv_cache_config: Any, adapter: InnerAdapter)
         producer_hook=cast("ProducerHook | None", _compat.producer_tail_hook(vllm_config)),
         dcp_world_size=_compat.dcp_world_size(parallel),
         pipeline_parallel_size=int(parallel.pipeline_parallel_size),
-        prefill_context_parallel_size=int(
-            getattr(parallel, "prefill_context_parallel_size", 1) or 1
-        ),
+        prefill_context_parallel_size=_compat.pcp_world_size(parallel),
     )
 
 

@@ -71,6 +71,13 @@ class GroupLoad(NamedTuple):
         # is one int object per block (64 for a 1k-token load).
         return (GroupLoad, (self.group, self.first_block, _WireIds(self.block_ids)))
 
+    # Immutable: a copy is the record itself (copy would go through __reduce__).
+    def __copy__(self) -> GroupLoad:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupLoad:
+        return self
+
 
 class _WireIds:
     """Block ids on their way to a worker process: pickled as

@@ -158,7 +158,7 @@ def _digest_duties(
             f"pipeline parallelism (size {pipeline_parallel_size}) gives each rank a subset "
             "of the layers a segment's sum covers"
         )
-    elif is_producer and prefill_context_parallel_size > 1:
+    elif is_producer and not is_consumer and prefill_context_parallel_size > 1:
         refusal = (
             f"prefill context parallelism (size {prefill_context_parallel_size}) runs a "
             "prompt on ranks that share a TP rank, so the producer's ranks would count its "
@@ -177,9 +177,12 @@ def _digest_duties(
             f'{_VERIFY}: "digest" cannot work here: {refusal}. Set it to "auto" (on only '
             'where it can work) or "off".'
         )
-    # kv_both with a drafter (a decode engine as vLLM's NIXL examples set it up):
-    # it still verifies what it loads; it digests nothing it sends.
-    return is_producer and producer_hook is not None, is_consumer, None
+    # kv_both with a drafter (a decode engine as vLLM's NIXL examples set it up)
+    # or with prefill context parallelism (its ranks would each count a prompt;
+    # PCP alone replicates the KV cache, so each still checks its own copy): it
+    # verifies what it loads and digests nothing it sends.
+    digests = is_producer and producer_hook is not None and prefill_context_parallel_size == 1
+    return digests, is_consumer, None
 
 
 def resolve_policy(

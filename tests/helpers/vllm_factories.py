@@ -553,6 +553,10 @@ def make_worker_connector(
     return connector
 
 
+# How run_worker_step hands the metadata to the worker (tests may set it).
+METADATA_DELIVERY = "pickled"
+
+
 def run_worker_step(
     worker: KVConnectorBase_V1, scheduler_output: SchedulerOutput
 ) -> KVConnectorOutput:
@@ -561,12 +565,14 @@ def run_worker_step(
     Mirrors ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (identical in
     0.32 and 0.33), preceded by ``handle_preemptions`` as the V1 runner does.
     There is no forward context: ``start_load_kv`` gets ``None``. The metadata
-    arrives pickled, as a multi-process executor (TP > 1) delivers it; the
-    worker unit tests and the end-to-end engines (one process) bind it as built.
+    arrives as :data:`METADATA_DELIVERY` says: ``"pickled"`` (the default), as a
+    multi-process executor (TP > 1) delivers it, or ``"built"``, the scheduler's
+    own objects, as one process (TP 1) binds them.
     """
     meta = scheduler_output.kv_connector_metadata
     assert meta is not None, "the scheduler had no connector"
-    meta = pickle.loads(pickle.dumps(meta))
+    if METADATA_DELIVERY == "pickled":
+        meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
     worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)  # type: ignore[arg-type]

@@ -23,3 +23,14 @@ collect_ignore_glob = [] if importable("vllm") else ["test_*.py", "*/test_*.py"]
 def pytest_itemcollected(item: pytest.Item) -> None:
     item.add_marker(pytest.mark.vllm)
     item.add_marker(pytest.mark.scheduler)
+
+
+@pytest.fixture(params=["pickled", "built"])
+def both_deliveries(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the worker's metadata pickled (a multi-process executor:
+    block ids arrive as int64 arrays) and as the scheduler built it (one
+    process: tuples). Modules opt in with ``pytestmark``."""
+    from tests.helpers import vllm_factories
+
+    monkeypatch.setattr(vllm_factories, "METADATA_DELIVERY", request.param)
+    return str(request.param)

@@ -23,6 +23,9 @@ from kvtail_connector.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
 
+# The worker gets its metadata both ways: pickled (TP > 1) and as built (TP 1).
+pytestmark = pytest.mark.usefixtures("both_deliveries")
+
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 PROMPT = 37
 

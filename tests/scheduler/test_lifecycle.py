@@ -32,6 +32,9 @@ from tests.helpers.vllm_factories import (
 )
 from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
+# The worker gets its metadata both ways: pickled (TP > 1) and as built (TP 1).
+pytestmark = pytest.mark.usefixtures("both_deliveries")
+
 
 def test_tail_shipped_once_and_zeroed_at_completion():
     h = Harness()

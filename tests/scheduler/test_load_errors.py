@@ -13,6 +13,9 @@ import pytest
 
 from tests.helpers.lifecycle import BLOCK, Harness, slot_state
 
+# The worker gets its metadata both ways: pickled (TP > 1) and as built (TP 1).
+pytestmark = pytest.mark.usefixtures("both_deliveries")
+
 PROMPT = 80  # five 16-token blocks, no new block for the prefill or the one token
 LOADED_TOKENS = 75  # 4 whole blocks + 11 slots of the fifth
 # The null block, C's five and A's five: D can only get A's blocks back.

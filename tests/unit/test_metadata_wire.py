@@ -39,6 +39,15 @@ def test_block_ids_cross_as_one_int64_array_with_the_same_values(ids):
     assert tuple(_roundtrip(got).block_ids) == ids
 
 
+def test_a_copied_record_keeps_its_block_ids():
+    import copy
+
+    load = GroupLoad(0, 1, (3, 4))
+    record = LoadRecord("r", 0, 20, (load,))
+    for got in (copy.copy(load), copy.deepcopy(load), copy.deepcopy(record).groups[0]):
+        assert tuple(got.block_ids) == (3, 4) and len(got.block_ids) == 2
+
+
 def test_a_whole_metadata_reads_back_field_for_field():
     records = tuple(
         LoadRecord(

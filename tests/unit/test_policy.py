@@ -234,6 +234,9 @@ def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_noth
 def test_a_consumer_with_prefill_context_parallelism_still_verifies():
     # PCP alone replicates the KV cache: each rank checks its own copy.
     assert _verify(is_consumer=True, prefill_context_parallel_size=2).verifies_loads
+    # kv_both: verifies what it loads, digests nothing it sends (as with a drafter).
+    both = _verify(is_producer=True, is_consumer=True, prefill_context_parallel_size=2)
+    assert both.verifies_loads and not both.digests_prompts
 
 
 def test_a_producer_with_sync_reads_may_digest():
