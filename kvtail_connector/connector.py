@@ -392,7 +392,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         # The inner connector sees its own worker metadata, as if unwrapped.
         ours = connector_output.kv_connector_worker_meta
-        if ours is not None and isinstance(ours, KVTailWorkerMeta):
+        if isinstance(ours, KVTailWorkerMeta):
             connector_output.kv_connector_worker_meta = ours.inner
             try:
                 self._inner.update_connector_output(connector_output)

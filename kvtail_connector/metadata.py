@@ -43,8 +43,9 @@ NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
 
 
 # The record types are NamedTuples: immutable like a frozen dataclass, and
-# built in a third of the time (one per load on the scheduler's step path;
-# ``_replace`` where a part attaches something).
+# built several times faster (a LoadRecord in ~0.2 µs on CPU, was ~1 µs; one
+# per load on the scheduler's step path; ``_replace`` where a part attaches
+# something).
 
 
 class GroupLoad(NamedTuple):

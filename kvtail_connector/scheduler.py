@@ -34,7 +34,6 @@ hook by hook:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from kvtail_connector import entry
@@ -274,7 +273,7 @@ class TailScheduler:
             producer_digests=digests,
             failing=self._errors.take_failing() if self._errors.failing else (),
         )
-        if (loads or read_loads or producer) and logger.isEnabledFor(logging.DEBUG):
+        if loads or read_loads or producer:
             logger.debug(
                 "kvtail: shipping %d load(s), %d READ load(s), %d producer tail(s)",
                 len(loads),

@@ -141,8 +141,7 @@ class LoadRecords:
             eb = sizes[gid]
             if eb is None:
                 continue
-            if loaded % eb:  # a partial last block (tail_block): a tail
-                any_tail = True
+            any_tail = any_tail or tail_block(loaded, eb) is not None
             entries.append(GroupLoad(gid, local // eb, null_as_ours(tuple(ids))))
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale to zero, nothing to watch
