@@ -363,7 +363,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert scheduler is not None, "scheduler-side hook"
         inner_meta = self._inner.build_connector_meta(scheduler_output)
         try:
-            return scheduler.build_connector_meta(scheduler_output, inner_meta)
+            return scheduler.build_connector_meta(scheduler_output, inner_meta, self._record_failed)
         except Exception as exc:
             meta = self._guard.failed(
                 exc,
@@ -372,6 +372,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 lambda: scheduler.contain_meta(inner_meta),
             )
             return meta if meta is not None else KVTailMetadata(inner=inner_meta)
+
+    def _record_failed(self, exc: Exception, req_id: str) -> None:
+        """One load's record, built with the step's metadata, failed: contained
+        as its ``update_state_after_alloc`` (the load is reported failed)."""
+        self._guard.failed(exc, "update_state_after_alloc", (req_id,))
 
     def on_new_request(self, request: Any) -> None:
         # Inner first: NIXL and MoRIIO may shorten a producer's request to a

@@ -15,11 +15,12 @@ hook by hook:
 ``update_state_after_alloc``
     the entry reader first (:meth:`TailScheduler.read_entry`, before the
     inner update), then after the inner update: a synchronous READ goes to
-    READ tails; an async load to load errors (in flight), then its record
-    (consumer tails) with a trusted claim (producer claims) and the digest
-    to verify (verification) attached.
+    READ tails; an async load is kept as allocated (consumer tails).
 ``build_connector_meta``
-    producer claims and verification drop params left over; READ tails
+    the step's async loads, in one pass: each to load errors (in flight),
+    then its record (consumer tails) with a trusted claim (producer claims)
+    and the digest to verify (verification) attached; producer claims and
+    verification drop params left over; READ tails
     (records, and vLLM's zero list without READ destinations, set last);
     producer claims (tail records), verification (digest records); consumer
     tails and load errors (``failing``) fill the metadata.
@@ -34,25 +35,31 @@ hook by hook:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvtail_connector import entry
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.features.consumer_tails.scheduler import ConsumerTailsScheduler
+from kvtail_connector.containment import mark_inner
+from kvtail_connector.features.consumer_tails.scheduler import Allocation, ConsumerTailsScheduler
 from kvtail_connector.features.entries import NOTHING, EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.features.kv_verification.scheduler import VerificationScheduler
 from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
-from kvtail_connector.features.load_starts import LoadStarts, Start
+from kvtail_connector.features.load_starts import LoadStarts
 from kvtail_connector.features.producer_claims.scheduler import ClaimsScheduler
 from kvtail_connector.features.read_tails.scheduler import ReadTailsScheduler
 from kvtail_connector.features.records import LoadRecords
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import ExpectedDigest, KVTailMetadata, KVTailWorkerMeta
+from kvtail_connector.metadata import ExpectedDigest, GroupLoad, KVTailMetadata, KVTailWorkerMeta
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
+_new = tuple.__new__
+
+# Contains an internal error in one load's record: (the error, the request id).
+RecordFailed = Callable[[Exception, str], None]
 
 
 class TailScheduler:
@@ -97,8 +104,11 @@ class TailScheduler:
         nodes = binding_nodes(limits, min_block_size)
         self._records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
         self._starts = LoadStarts()
+        self._matched = self._starts.by_request
+        self._inner = inner
         self._errors = LoadErrorsScheduler(stats)
         self._tails = ConsumerTailsScheduler()
+        self._allocations = self._tails.allocations
         producer = policy.vouches_for_tails or policy.digests_prompts
         self._writer = (
             EntryWriter(geometry, binding_nodes=nodes, key=key, stats=stats) if producer else None
@@ -115,6 +125,7 @@ class TailScheduler:
             if policy.checks_claims or policy.verifies_loads
             else None
         )
+        self._readings = self._reader.readings if self._reader is not None else None
         self._claims = (
             ClaimsScheduler(self._records, stats, vouch=policy.vouches_for_tails)
             if policy.vouches_for_tails or policy.checks_claims
@@ -145,6 +156,18 @@ class TailScheduler:
         self._digesting = self._verify if policy.digests_prompts else None
         # Whether on_new_request does anything (the facade skips it otherwise).
         self.notes_arrivals = self._vouching is not None or self._digesting is not None
+        # The parts that hold requests (claims and verification in their
+        # producer halves only), and their containers, for held_requests.
+        holders = (
+            self._starts,
+            self._errors,
+            self._tails,
+            self._reads,
+            self._vouching,
+            self._digesting,
+        )
+        self._holders = tuple(part for part in holders if part is not None)
+        self._holding = tuple(c for part in self._holders for c in part.holding())
 
     # ----------------------------------------------------------------- hooks
 
@@ -162,71 +185,99 @@ class TailScheduler:
         self, request: Any, num_computed_tokens: int, count: int | None, load_async: bool
     ) -> None:
         """The inner ``get_num_new_matched_tokens`` returned ``(count, load_async)``."""
-        self._starts.matched(request, num_computed_tokens, count, load_async)
+        if count:
+            self._matched[request.request_id] = (num_computed_tokens, bool(load_async))
+        else:
+            self._matched.pop(request.request_id, None)
 
     def read_entry(self, request: Any, num_external_tokens: int) -> None:
         """Before the inner ``update_state_after_alloc`` (the facade calls this
         first): read the producer's entry once per allocation, while the
         params still hold what its binding covers."""
-        if self._reader is None or num_external_tokens <= 0:
+        reader = self._reader
+        if reader is None or num_external_tokens <= 0:
             return
-        start = self._starts.get(request.request_id)
+        params = request.kv_transfer_params
+        if type(params) is dict and entry.KEY not in params and not reader.counts_absence:
+            return  # most requests: no entry, and none expected
+        start = self._matched.get(request.request_id)
         if start is not None:
-            self._reader.read(request, start[1])
+            reader.read(request, start[1])
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After the inner ``update_state_after_alloc`` (called by the facade),
-        and after :meth:`read_entry` (called before it)."""
+        and after :meth:`read_entry` (called before it).
+
+        Runs once per load inside vLLM's per-request loop: an async load is
+        kept as allocated, its record built with the step's others
+        (:meth:`_record_allocations`)."""
         req_id = request.request_id
+        matched, readings = self._matched, self._readings
         if num_external_tokens <= 0:
             # Nothing loaded (vLLM's second call, once a load is done, among
             # them): the match and any reading are forgotten.
-            self._starts.pop(req_id)
-            if self._reader is not None:
-                self._reader.drop(req_id)
+            matched.pop(req_id, None)
+            if readings is not None:
+                readings.pop(req_id, None)
             return
         # Forgotten at the end: contain_alloc needs it if this raises.
-        start = self._starts.get(req_id)
-        claim, expected = self._reader.take(req_id) if self._reader is not None else NOTHING
+        start = matched.get(req_id)
+        claim, expected = readings.pop(req_id, NOTHING) if readings is not None else NOTHING
         if start is not None:
-            self._allocated(request, blocks, num_external_tokens, start, claim, expected)
-        self._starts.pop(req_id)
+            local, load_async = start
+            if load_async:
+                # The inner connector is asked here, in its own hook's time.
+                try:
+                    groups = self._inner.get_loaded_kv_cache_group_ids(request)
+                except BaseException as exc:
+                    mark_inner(exc)
+                    raise
+                loaded = local + num_external_tokens
+                # Every id now (vLLM's blocks are in cache, and the record
+                # then depends on nothing vLLM may change); the record later.
+                written = self._records.written(blocks, groups, local, loaded)
+                states = self._states(blocks, groups, expected) if expected is not None else ()
+                allocation = (request, local, loaded, groups, written, states, claim, expected)
+                # tuple.__new__: the NamedTuple's own __new__ is a Python call.
+                self._allocations.append(_new(Allocation, allocation))
+            elif self._reads is not None:
+                # Other sync loads land in blocks vLLM zeroed first.
+                self._reads.allocated(request, blocks, local, local + num_external_tokens, claim)
+        matched.pop(req_id, None)
 
-    def _allocated(
-        self,
-        request: Any,
-        blocks: Any,
-        num_external_tokens: int,
-        start: Start,
-        claim: int | None,
-        expected: ExpectedDigest | None,
-    ) -> None:
-        local, load_async = start
-        loaded = local + num_external_tokens
-        if not load_async:
-            # Other sync loads land in blocks vLLM zeroed first.
-            if self._reads is not None:
-                self._reads.allocated(request, blocks, local, loaded, claim)
-            return
+    def _record_allocations(self, failed: RecordFailed | None) -> None:
+        """The records of the step's async loads, in one pass. A load whose
+        record fails is reported failed by the workers at its completion;
+        ``failed`` contains the error (else it is raised, and the loads not
+        yet recorded stay for :meth:`contain_meta`)."""
+        allocations = self._tails.take_allocations()
+        for k, allocation in enumerate(allocations):
+            try:
+                self._record(allocation)
+            except Exception as exc:
+                self._errors.lost(allocation.request.request_id)
+                try:
+                    if failed is None:
+                        raise
+                    failed(exc, allocation.request.request_id)
+                except BaseException:
+                    for rest in allocations[k + 1 :]:
+                        self._tails.allocated(rest)
+                    raise
+
+    def _record(self, allocation: Allocation) -> None:
+        request, local, loaded, loaded_groups, written, states, claim, expected = allocation
         records, policy = self._records, self._policy
         if expected is not None and expected.num_tokens < loaded and self._verify is not None:
             # Tokens [n, loaded) would go uncompared yet counted verified.
             self._verify.unrecorded()
             expected = None
-        loaded_groups = records.loaded_groups(request)
-        written = records.written_blocks(blocks, loaded_groups, local, loaded)
-        self._errors.started(request.request_id, written)
-        if not policy.zeroes_tails and expected is None:
+        req_id = request.request_id
+        keep = expected is not None
+        self._errors.started(req_id, written)
+        if not policy.zeroes_tails and not keep:
             return
-        record = records.record(
-            request,
-            blocks,
-            local,
-            loaded,
-            keep=expected is not None,
-            loaded_groups=loaded_groups,
-            written=written,
-        )
+        record = records.from_written(req_id, written, local, loaded, loaded_groups, keep=keep)
         if record is None:
             if expected is not None and self._verify is not None:
                 self._verify.unrecorded()  # no group a digest covers
@@ -240,16 +291,26 @@ class TailScheduler:
         ):
             record = record._replace(vouched=True)
         if expected is not None:
-            states = (
-                self._verify.consumer_states(blocks.get_block_ids(), loaded_groups)
-                if self._verify is not None and expected.digest.states is not None
-                else ()
-            )
             record = record._replace(expected=expected, states=states)
         self._tails.add(record)
 
-    def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
-        """``inner_meta``: what the inner ``build_connector_meta`` returned."""
+    def _states(
+        self, blocks: Any, loaded_groups: Any, expected: ExpectedDigest
+    ) -> tuple[GroupLoad, ...]:
+        """The state blocks a load to verify writes, where its digest has states."""
+        verify = self._verify
+        if verify is None or expected.digest.states is None:
+            return ()
+        return verify.consumer_states(blocks.get_block_ids(), loaded_groups)
+
+    def build_connector_meta(
+        self, scheduler_output: Any, inner_meta: Any, failed: RecordFailed | None = None
+    ) -> KVTailMetadata:
+        """``inner_meta``: what the inner ``build_connector_meta`` returned;
+        ``failed``: contains an error in one load's record (see
+        :meth:`_record_allocations`)."""
+        if self._tails.allocations:
+            self._record_allocations(failed)
         vouching, digesting, manager = self._vouching, self._digesting, self._kv_cache_manager
         # Params left by an update_from_output that had no connector output:
         # they have left the engine; no entry is added to them after that.
@@ -292,7 +353,7 @@ class TailScheduler:
         """``params``: what the inner connector's ``request_finished`` returned,
         the very dict vLLM puts into the request's output."""
         req_id = request.request_id
-        self._starts.pop(req_id)
+        self._matched.pop(req_id, None)
         if self._reader is not None:
             self._reader.forget(req_id)
         if self._vouching is not None:
@@ -356,12 +417,18 @@ class TailScheduler:
     @property
     def pending_loads(self) -> list[str]:
         """Requests whose load record waits for this step's metadata."""
-        return [*self._errors.failing, *(r.req_id for r in self._tails.pending)]
+        return [
+            *self._errors.failing,
+            *(r.req_id for r in self._tails.pending),
+            *(a.request.request_id for a in self._tails.allocations),
+        ]
 
     def contain_meta(self, inner_meta: Any) -> KVTailMetadata:
         """``build_connector_meta`` failed: the inner metadata, untouched; the
         step's pending async loads are reported failed at completion, its
         READ and producer records are not shipped (no claim is made)."""
+        for allocation in self._tails.take_allocations():
+            self._errors.lost(allocation.request.request_id)  # now among the failing
         failing = tuple(self.pending_loads)
         self._errors.take_failing()
         self._tails.clear()
@@ -402,20 +469,17 @@ class TailScheduler:
         return tuple(p for p in parts if p is not None)
 
     def held_requests(self) -> int:
-        """Requests this side holds state for (the ``held_requests`` gauge)."""
-        # Claims and verification hold requests in their producer halves only.
-        # Each part's ids are distinct: a union only where two parts hold some.
+        """Requests this side holds state for (the ``held_requests`` gauge).
+
+        Asked every step: where every part's containers are empty (their
+        truth, no call into a part) the answer is 0 at once."""
+        if not any(self._holding):
+            return 0
         held = []
-        for part in (
-            self._starts,
-            self._errors,
-            self._tails,
-            self._reads,
-            self._vouching,
-            self._digesting,
-        ):
-            if part is not None and (ids := part.held()):
+        for part in self._holders:
+            if ids := part.held():
                 held.append(ids)
+        # Each part's ids are distinct: a union only where two parts hold some.
         return len(held[0]) if len(held) == 1 else len(set().union(*held))
 
     @property

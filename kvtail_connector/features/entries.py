@@ -180,9 +180,11 @@ class EntryReader:
         self._binding_nodes = binding_nodes
         self._key = key
         self._stats = stats
-        # req_id -> the reading, taken at alloc; and every request's reading
-        # until it finishes (read once per request).
-        self._entries: dict[str, Reading] = {}
+        # req_id -> the reading, taken at alloc (``readings``: the alloc hook
+        # pops it in place); and every request's reading until it finishes
+        # (read once per request).
+        self.readings: dict[str, Reading] = {}
+        self._entries = self.readings
         self._seen: dict[str, Reading] = {}
         # By load_async: what the reading is for (claims, bind, digest).
         # Claims are read where their path zeroes tails; the binding (and
@@ -198,6 +200,9 @@ class EntryReader:
                 policy.trusts_load_claims if load_async else policy.trusts_read_claims
             )
             self._asks[load_async] = (claims, usable or digest, digest)
+        # Whether a missing entry is counted (a digest to verify): else a
+        # request without one has nothing to read.
+        self.counts_absence = any(ask[2] for ask in self._asks.values())
 
     def read(self, request: Any, load_async: bool) -> None:
         """Read ``request``'s entry for the allocation that follows."""

@@ -10,31 +10,32 @@ the allocation that consumes it (or the request's end).
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from typing import Any
+from collections.abc import Sized
 
 Start = tuple[int, bool]  # (local computed tokens, the load is async)
 
 
 class LoadStarts:
-    """Request id -> :data:`Start`, from the match to the allocation."""
+    """Request id -> :data:`Start`, from the match to the allocation.
+
+    ``by_request`` is the dict itself: the per-load hooks (the match, the
+    allocation, the finish) read and write it in place, a call less each.
+    """
 
     def __init__(self) -> None:
-        self._matched: dict[str, Start] = {}
-
-    def matched(
-        self, request: Any, num_computed_tokens: int, count: int | None, load_async: bool
-    ) -> None:
-        """The inner ``get_num_new_matched_tokens`` returned ``(count, load_async)``."""
-        if count:
-            self._matched[request.request_id] = (num_computed_tokens, bool(load_async))
-        else:
-            self._matched.pop(request.request_id, None)
+        self.by_request: dict[str, Start] = {}
+        self._matched = self.by_request
 
     def get(self, req_id: str) -> Start | None:
         return self._matched.get(req_id)
 
     def pop(self, req_id: str) -> Start | None:
         return self._matched.pop(req_id, None)
+
+    def holding(self) -> tuple[Sized, ...]:
+        """The containers :meth:`held` reads, live (never replaced): empty
+        together exactly when :meth:`held` is."""
+        return (self.by_request,)
 
     def held(self) -> AbstractSet[str]:
         return self._matched.keys()

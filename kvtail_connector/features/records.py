@@ -98,51 +98,62 @@ class LoadRecords:
             mark_inner(exc)
             raise
 
-    def written_blocks(
+    def written(
         self, blocks: Any, loaded_groups: Any, local: int, loaded: int
-    ) -> tuple[list[int], ...]:
-        """Per group in ``loaded_groups``, the ids of the blocks a load of
-        tokens ``[local, loaded)`` writes (null blocks left in, for the reader
-        to skip). ``blocks``: vLLM's ``KVCacheBlocks`` of the request; only
-        the written blocks' ids are read (its ``get_block_ids`` lists every
-        block of every group)."""
+    ) -> tuple[tuple[int, ...], ...]:
+        """Per group of ``loaded_groups`` (:meth:`loaded_groups`), the ids of
+        the blocks a load of tokens ``[local, loaded)`` into ``blocks``
+        (vLLM's ``KVCacheBlocks`` of the request) writes; vLLM's null block
+        left in, for the reader to skip. Only these blocks' ids are read."""
+        # Called where vLLM has just allocated the blocks (their objects are
+        # in cache); what is built from the ids waits for the metadata.
         sizes, per_group = self._sizes, blocks.blocks
-        out = []
+        written = []
         for gid in loaded_groups:
             eb = sizes[gid]
-            out.append([b.block_id for b in per_group[gid][local // eb : -(-loaded // eb)]])
-        return tuple(out)
+            written.append(
+                tuple([b.block_id for b in per_group[gid][local // eb : -(-loaded // eb)]])
+            )
+        return tuple(written)
 
-    def record(
+    def from_written(
         self,
-        request: Any,
-        blocks: Any,
+        req_id: str,
+        written: tuple[tuple[int, ...], ...],
         local: int,
         loaded: int,
+        loaded_groups: Any,
         *,
-        tails_only: bool = False,
         keep: bool = False,
-        loaded_groups: Any = None,
-        written: tuple[list[int], ...] | None = None,
+        tails_only: bool = False,
     ) -> LoadRecord | None:
-        """The load's record, or None when block-aligned (nothing to zero or
-        watch) unless ``keep`` (a load to verify). ``loaded_groups`` and
-        ``written``: :meth:`loaded_groups` and :meth:`written_blocks`, where
-        the caller has them already."""
-        if loaded_groups is None:
-            loaded_groups = self.loaded_groups(request)
-        if written is None:
-            written = self.written_blocks(blocks, loaded_groups, local, loaded)
+        """The record of a load (``written``: :meth:`written` of it), or None
+        when block-aligned (nothing to zero or watch), unless ``keep`` (a
+        load to verify) or every load is recorded (not with ``tails_only``)."""
+        # Once per load, the step's loads in one pass: no helper calls, tuples
+        # built in C (tuple.__new__ skips the NamedTuple's Python __new__).
+        tail_sizes, new, null = self._tail_sizes, tuple.__new__, _compat.NULL_BLOCK_ID
         entries = []
         any_tail = False
-        sizes = self._tail_sizes
-        # written has one list per loaded group, in its order (by construction).
-        for gid, ids in zip(loaded_groups, written, strict=False):
-            eb = sizes[gid]
+        for gid, ids in zip(loaded_groups, written, strict=True):
+            eb = tail_sizes[gid]
             if eb is None:
                 continue
-            any_tail = any_tail or tail_block(loaded, eb) is not None
-            entries.append(GroupLoad(gid, local // eb, null_as_ours(tuple(ids))))
+            if loaded % eb:
+                any_tail = True
+            if null in ids:
+                ids = null_as_ours(ids)
+            entries.append(new(GroupLoad, (gid, local // eb, ids)))
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
-            return None  # block-aligned: nothing stale to zero, nothing to watch
-        return LoadRecord(request.request_id, local, loaded, tuple(entries))
+            return None  # block-aligned: nothing stale, nothing to watch
+        return new(LoadRecord, (req_id, local, loaded, tuple(entries), False, None, ()))
+
+    def record(
+        self, request: Any, blocks: Any, local: int, loaded: int, *, tails_only: bool = False
+    ) -> LoadRecord | None:
+        """:meth:`from_written` of a load, the groups asked of the inner connector."""
+        groups = self.loaded_groups(request)
+        written = self.written(blocks, groups, local, loaded)
+        return self.from_written(
+            request.request_id, written, local, loaded, groups, tails_only=tails_only
+        )

@@ -70,6 +70,8 @@ class Harness:
         report = connector.get_kv_connector_stats
 
         def capture() -> Any:
+            if side == "scheduler":
+                _check_holding(connector._scheduler)
             stats = report()
             if stats is not None:
                 payload = stats.to_dict()
@@ -124,6 +126,18 @@ class Harness:
 
     def records(self) -> list[Any]:
         return [r for m in self.metas for r in m.loads]
+
+
+def _check_holding(scheduler: Any) -> None:
+    """The scheduler side's ``held_requests`` fast path answers as the parts
+    do: each part's containers (``holding``, live) are empty exactly when its
+    ``held()`` is, and the gauge is the union of every part's ``held()``."""
+    ids: set[str] = set()
+    for part in scheduler._holders:
+        held = set(part.held())
+        assert bool(held) == any(part.holding()), (type(part).__name__, held)
+        ids |= held
+    assert scheduler.held_requests() == len(ids)
 
 
 def routed(p_params: dict[str, Any], kvtail: Any = ...) -> dict[str, Any]:

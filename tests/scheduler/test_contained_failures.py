@@ -232,14 +232,18 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_reader.read", "_records.written_blocks"])
+@pytest.mark.parametrize("method", ["_reader.read", "_errors.started"])
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
     # _reader.read: read_entry fails, the scheduler's update never runs;
-    # _written_blocks: the update fails before the load is tracked in flight.
+    # _errors.started: the load's record (built with the step's metadata)
+    # fails before the load is tracked in flight.
     h = Harness("always")
     owner, _, name = method.rpartition(".")
     _inject_once(monkeypatch, operator.attrgetter(owner)(h.scheduler.connector._scheduler), name)
-    _load(h, "r1")
+    # With a (foreign) kvtail entry: a request without one is not read at all.
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2, kvtail={"v": 0})
+    h.step()
+    h.land("r1", 0, 0, 70)
     h.step()
     _assert_recomputed(h, "r1")
     h.finish()

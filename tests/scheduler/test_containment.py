@@ -83,7 +83,7 @@ def _assert_clean_load_zeroed(h: Harness, req_id: str) -> None:
     [
         ("worker", "on_transfer_results"),  # get_transfer_results, at completion
         ("worker", "bind"),  # bind_connector_metadata: the record is lost
-        ("scheduler", "_records.record"),  # update_state_after_alloc: no record built
+        ("scheduler", "_records.from_written"),  # the record, built with the metadata
         ("scheduler", "build_connector_meta"),  # the step's metadata
     ],
 )
@@ -190,7 +190,7 @@ class InnerFault(RuntimeError):
     [
         ("worker", "get_transfer_results"),  # called by the facade
         ("worker", "get_block_ids_with_load_errors"),  # called from the wrapper's ledger
-        ("scheduler", "get_loaded_kv_cache_group_ids"),  # called from LoadRecords.record
+        ("scheduler", "get_loaded_kv_cache_group_ids"),  # called at update_state_after_alloc
         ("scheduler", "update_state_after_alloc"),
         ("scheduler", "build_connector_meta"),
     ],

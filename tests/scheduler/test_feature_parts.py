@@ -54,7 +54,22 @@ def _scheduler(policy: TailPolicy) -> TailScheduler:
 
 
 def _own_containers(obj: Any) -> list[str]:
-    return [name for name, value in vars(obj).items() if isinstance(value, CONTAINERS)]
+    """Containers held by ``obj`` that are not a part's: the per-load hooks
+    may keep a part's dict or list at hand (the very object), and a tuple of
+    parts or of their containers, never state of their own."""
+    parts = [v for v in vars(obj).values() if hasattr(v, "__dict__")]
+    theirs = {id(part) for part in parts} | {id(v) for part in parts for v in vars(part).values()}
+
+    def wiring(value: Any) -> bool:
+        if isinstance(value, tuple):
+            return all(id(item) in theirs for item in value)
+        return id(value) in theirs
+
+    return [
+        name
+        for name, value in vars(obj).items()
+        if isinstance(value, CONTAINERS) and not wiring(value)
+    ]
 
 
 @pytest.mark.parametrize("build", [_worker, _scheduler], ids=["worker", "scheduler"])

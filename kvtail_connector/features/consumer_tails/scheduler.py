@@ -1,22 +1,60 @@
 """Consumer tails, scheduler half: one record per async load, shipped once.
 
 At ``update_state_after_alloc`` the wrapper knows everything a worker needs
-to find the load's stale tail (:class:`~kvtail_connector.features.records.LoadRecords`);
-the record goes into this step's metadata (``KVTailMetadata.loads``) and the
+to find the load's stale tail; it keeps the allocation as given
+(:data:`Allocation`) and builds the step's records in one pass when the
+metadata is built (:class:`~kvtail_connector.features.records.LoadRecords`).
+The record goes into this step's metadata (``KVTailMetadata.loads``) and the
 scheduler keeps nothing about it afterwards. The record also carries what
 other parts attach to the load (a trusted claim, the digest to verify).
+
+Why one pass at the metadata: vLLM calls ``update_state_after_alloc`` once
+per load between its own per-request work, so each call ran the record's
+code cold (2-3 x its cost back to back, measured by ``bench_host.py``).
+What the record is built from (block ids, group ids, token counts) is read
+from vLLM at the allocation, while its blocks are in cache; the pass reads
+nothing vLLM may have changed since (vLLM 0.33 may allocate a deferred load
+in ``update_from_output``, a schedule before the metadata).
 """
 
 from __future__ import annotations
 
-from kvtail_connector.metadata import LoadRecord
+from collections.abc import Sized
+from typing import Any, NamedTuple
+
+from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
+
+
+class Allocation(NamedTuple):
+    """An async load's ``update_state_after_alloc``, until the metadata: all
+    that its record needs, read from vLLM at the allocation."""
+
+    request: Any
+    local: int  # tokens computed locally before the load
+    loaded: int  # tokens computed once it lands
+    loaded_groups: Any  # the inner connector's get_loaded_kv_cache_group_ids
+    written: tuple[tuple[int, ...], ...]  # per loaded group, the ids of the blocks written
+    states: tuple[GroupLoad, ...]  # the state blocks it writes, where verified with states
+    claim: int | None  # the producer's zero-tail claim, if read
+    expected: ExpectedDigest | None  # the digest to verify, if read
 
 
 class ConsumerTailsScheduler:
-    """This step's load records, until its metadata is built."""
+    """This step's async loads (allocations, then records), until its metadata is built."""
 
     def __init__(self) -> None:
+        # The allocations not yet recorded; the alloc hook appends to this
+        # very list (it is cleared in place, never replaced).
+        self.allocations: list[Allocation] = []
         self._pending: list[LoadRecord] = []
+
+    def allocated(self, allocation: Allocation) -> None:
+        self.allocations.append(allocation)
+
+    def take_allocations(self) -> list[Allocation]:
+        taken = self.allocations[:]
+        self.allocations.clear()
+        return taken
 
     def add(self, record: LoadRecord) -> None:
         self._pending.append(record)
@@ -26,11 +64,21 @@ class ConsumerTailsScheduler:
         return tuple(self._pending)
 
     def clear(self) -> None:
+        """Forget the records and the allocations not yet recorded."""
         self._pending.clear()
+        self.allocations.clear()
+
+    def holding(self) -> tuple[Sized, ...]:
+        """The containers :meth:`held` reads, live (never replaced): empty
+        together exactly when :meth:`held` is."""
+        return (self._pending, self.allocations)
 
     def held(self) -> set[str]:
-        return {r.req_id for r in self._pending}
+        held = {r.req_id for r in self._pending}
+        if self.allocations:
+            held.update(a.request.request_id for a in self.allocations)
+        return held
 
     @property
     def num_tracked(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self.allocations)

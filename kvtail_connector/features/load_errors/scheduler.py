@@ -11,7 +11,7 @@ completes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -75,15 +75,24 @@ class LoadErrorsScheduler:
             if new:
                 self._stats.add("failed_loads", len(new))
                 self._failed |= new
-        return self.finished(connector_output.finished_recving or ())
+        finished = connector_output.finished_recving
+        return self.finished(finished) if finished else []
 
     def finished(self, req_ids: Iterable[str]) -> list[str]:
         """Forget these loads; the ids of those that were in flight."""
-        in_flight = self._in_flight
-        done = [req_id for req_id in req_ids if in_flight.pop(req_id, None) is not None]
+        pop = self._in_flight.pop
+        done = []
+        for req_id in req_ids:
+            if pop(req_id, None) is not None:
+                done.append(req_id)
         if self._failed:
             self._failed.difference_update(done)
         return done
+
+    def holding(self) -> tuple[Sized, ...]:
+        """The containers :meth:`held` reads, live (never replaced): empty
+        together exactly when :meth:`held` is."""
+        return (self._in_flight,)
 
     def held(self) -> AbstractSet[str]:
         return self._in_flight.keys()

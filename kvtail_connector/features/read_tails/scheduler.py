@@ -11,6 +11,7 @@ record goes to the workers, which zero it once the READ has landed.
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
@@ -142,6 +143,11 @@ class ReadTailsScheduler:
 
     def clear(self) -> None:
         self._pending.clear()
+
+    def holding(self) -> tuple[Sized, ...]:
+        """The containers :meth:`held` reads, live (never replaced): empty
+        together exactly when :meth:`held` is."""
+        return (self._pending,)
 
     def held(self) -> set[str]:
         return {read[0].request_id for read in self._pending}

@@ -34,16 +34,33 @@ def _raise(*_args: Any, **_kwargs: Any) -> Any:
     raise Injected("injected into the wrapper")
 
 
+def _once(original: Any) -> Any:
+    """``original``, raising at its first call only."""
+    calls = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Injected("injected into the wrapper, once")
+        return original(*args, **kwargs)
+
+    return call
+
+
 def _read_step(factory: Any, fault: str | None) -> tuple[Any, Any, set[int]]:
-    """One READ scheduled, ``TailScheduler.<fault>`` raising: (run, the step's
-    output, the READ's tail blocks)."""
+    """One READ scheduled, ``TailScheduler.<fault>`` raising (``<fault>!once``:
+    at its first call only): (run, the step's output, the READ's tail blocks)."""
     run = factory(wrapped=True, kv_cache_config=_mixed())
     ts = run.scheduler.connector._scheduler
     if fault is not None:
+        fault, once, _ = fault.partition("!once")
         owner, _, name = fault.rpartition(".")
-        setattr(operator.attrgetter(owner)(ts) if owner else ts, name, _raise)
+        obj = operator.attrgetter(owner)(ts) if owner else ts
+        setattr(obj, name, _once(getattr(obj, name)) if once else _raise)
     remote = [list(range(1000, 1000 + LOCAL_BLOCKS)), list(range(2000, 2000 + LOCAL_BLOCKS))]
-    run.add("read", TOKENS, _peer_params(remote, req_id="read"))
+    # A (foreign) kvtail entry: the reader reads it (a request without one
+    # is not read at all), and declines it.
+    run.add("read", TOKENS, {**_peer_params(remote, req_id="read"), "kvtail": {"v": 0}})
     out = run.scheduler.schedule()  # contained: does not raise
     alloc = run.blocks("read")
     return run, out, {alloc[gid][(TOKENS - 1) // BLOCK] for gid in (0, 1)}
@@ -64,7 +81,11 @@ def test_a_failed_metadata_build_leaves_vllms_zero_list_untouched(make_run):  # 
     assert tails <= set(out.new_block_ids_to_zero)
 
 
-@pytest.mark.parametrize("fault", ["_reader.read", "update_state_after_alloc", "_allocated"])
+# _reads.allocated: the READ part itself fails once, after the entry was read
+# (contain_alloc's own call to it succeeds).
+@pytest.mark.parametrize(
+    "fault", ["_reader.read", "update_state_after_alloc", "_reads.allocated!once"]
+)
 def test_a_failed_alloc_still_ships_the_read_record(make_run, fault):  # noqa: F811
     ref_run, ref, ref_tails = _read_step(make_run, None)
     run, out, tails = _read_step(make_run, fault)
