@@ -375,8 +375,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _record_failed(self, exc: Exception, req_id: str) -> None:
         """One load's record, built with the step's metadata, failed: contained
-        as its ``update_state_after_alloc`` (the load is reported failed)."""
-        self._guard.failed(exc, "update_state_after_alloc", (req_id,))
+        (the load is reported failed), the other loads' records kept."""
+        self._guard.failed(exc, "build_connector_meta (a load's record)", (req_id,))
 
     def on_new_request(self, request: Any) -> None:
         # Inner first: NIXL and MoRIIO may shorten a producer's request to a

@@ -238,7 +238,8 @@ class TailScheduler:
                 written = self._records.written(blocks, groups, local, loaded)
                 states = self._states(blocks, groups, expected) if expected is not None else ()
                 allocation = (request, local, loaded, groups, written, states, claim, expected)
-                # tuple.__new__: the NamedTuple's own __new__ is a Python call.
+                # tuple.__new__: the NamedTuple's own __new__ is a Python call
+                # (and checks no field count: every Allocation field, in order).
                 self._allocations.append(_new(Allocation, allocation))
             elif self._reads is not None:
                 # Other sync loads land in blocks vLLM zeroed first.
@@ -249,21 +250,31 @@ class TailScheduler:
         """The records of the step's async loads, in one pass. A load whose
         record fails is reported failed by the workers at its completion;
         ``failed`` contains the error (else it is raised, and the loads not
-        yet recorded stay for :meth:`contain_meta`)."""
+        yet recorded stay for :meth:`contain_meta`).
+
+        Counted here, not at the allocation: a claim declined or unused, a
+        digest skipped. Where vLLM 0.33 allocates a deferred load in
+        ``update_from_output`` (HiSparse), they reach the stats of the next
+        ``update_from_output`` (the load cannot complete before that)."""
         allocations = self._tails.take_allocations()
         for k, allocation in enumerate(allocations):
+            handled = False
             try:
-                self._record(allocation)
-            except Exception as exc:
-                self._errors.lost(allocation.request.request_id)
                 try:
+                    self._record(allocation)
+                    handled = True
+                except Exception as exc:
+                    req_id = allocation.request.request_id
+                    self._errors.lost(req_id, allocation.written)
+                    handled = True
                     if failed is None:
                         raise
-                    failed(exc, allocation.request.request_id)
-                except BaseException:
-                    for rest in allocations[k + 1 :]:
-                        self._tails.allocated(rest)
-                    raise
+                    failed(exc, req_id)
+            except BaseException:
+                # Not contained: the loads not yet recorded (this one too
+                # where it was not marked lost) wait for contain_meta.
+                self._tails.allocations.extend(allocations[k + 1 if handled else k :])
+                raise
 
     def _record(self, allocation: Allocation) -> None:
         request, local, loaded, loaded_groups, written, states, claim, expected = allocation
@@ -428,7 +439,8 @@ class TailScheduler:
         step's pending async loads are reported failed at completion, its
         READ and producer records are not shipped (no claim is made)."""
         for allocation in self._tails.take_allocations():
-            self._errors.lost(allocation.request.request_id)  # now among the failing
+            # Now among the failing, its blocks in flight (invalid ones match).
+            self._errors.lost(allocation.request.request_id, allocation.written)
         failing = tuple(self.pending_loads)
         self._errors.take_failing()
         self._tails.clear()

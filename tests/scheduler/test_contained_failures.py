@@ -18,12 +18,12 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.containment import Containment
+from kvtail_connector.containment import Containment, mark_inner
 from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.stats import KVTailStats
-from tests.helpers.lifecycle import Harness
+from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker
 from tests.scheduler.test_containment import (
@@ -232,9 +232,10 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_reader.read", "_errors.started"])
+@pytest.mark.parametrize("method", ["_reader.read", "_records.written", "_errors.started"])
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
     # _reader.read: read_entry fails, the scheduler's update never runs;
+    # _records.written: the allocation fails (contain_alloc);
     # _errors.started: the load's record (built with the step's metadata)
     # fails before the load is tracked in flight.
     h = Harness("always")
@@ -249,6 +250,67 @@ def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
     h.finish()
     assert h.stats["internal_errors"] == 1
     assert h.stats["failed_loads"] == 1
+
+
+# ------------------------- 5b. records built with the step's metadata
+
+
+def _two_loads(h: Harness) -> dict[str, list[int]]:
+    """Two 70-token async loads of 100-token prompts started in one step, landed."""
+    for req_id in ("r1", "r2"):
+        h.add(req_id, 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()
+    for req_id in ("r1", "r2"):
+        h.land(req_id, 0, 0, 70)
+    return {r: list(h.inner_scheduler.blocks_by_req[r][0]) for r in ("r1", "r2")}
+
+
+def test_one_failed_record_fails_its_load_only(monkeypatch):
+    h = Harness("always")
+    _inject_once(monkeypatch, h.scheduler.connector._scheduler._records, "from_written")
+    ids = _two_loads(h)
+    meta = h.metas[-1]
+    assert [r.req_id for r in meta.loads] == ["r2"]
+    assert list(meta.failing) == ["r1"]
+    h.step()  # both complete: r2's tail zeroed, r1 reported failed
+    assert slot_state(h.caches.views[LAYERS[0]], ids["r2"][4]) == ["loaded"] * 6 + ["zero"] * 10
+    _assert_recomputed(h, "r1")
+    h.finish()
+    assert h.stats["internal_errors"] == 1 and h.stats["failed_loads"] == 1
+    assert h.stats["tails_zeroed"] == 1
+
+
+class _InnerFault(RuntimeError):
+    pass
+
+
+def test_an_uncontained_record_error_leaves_the_rest_for_contain_meta(monkeypatch):
+    # An error tagged as the inner connector's is re-raised by the guard:
+    # the loads not yet recorded stay, and the failed one is lost with its blocks.
+    h = Harness("always")
+    ts = h.scheduler.connector._scheduler
+    original = ts._records.from_written
+    calls = []
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            fault = _InnerFault("the inner connector's own")
+            mark_inner(fault)
+            raise fault
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ts._records, "from_written", once)
+    for req_id in ("r1", "r2"):
+        h.add(req_id, 100, double_load_tokens=70, double_finish_after_steps=2)
+    with pytest.raises(_InnerFault):
+        h.step()
+    assert [a.request.request_id for a in ts._tails.allocations] == ["r2"]
+    assert ts._errors.failing == ["r1"]
+    assert ts._errors._in_flight["r1"] == (tuple(h.inner_scheduler.blocks_by_req["r1"][0][:5]),)
+    failing = ts.contain_meta(None).failing
+    assert failing == ("r1", "r2") and not ts._tails.allocations
+    assert set(ts._errors.in_flight) == {"r1", "r2"}
 
 
 # ------------------------------------------------ 6. device errors

@@ -35,10 +35,11 @@ class LoadErrorsScheduler:
         given: they are searched only when invalid blocks are reported."""
         self._in_flight[req_id] = blocks
 
-    def lost(self, req_id: str) -> None:
+    def lost(self, req_id: str, blocks: tuple[Sequence[int], ...] = ()) -> None:
         """The async load of ``req_id`` has no record: the workers report it
-        failed when it completes (counted in ``failed_loads``: in flight)."""
-        self._in_flight.setdefault(req_id, ())
+        failed when it completes (counted in ``failed_loads``: in flight, with
+        ``blocks`` where known and not yet given to :meth:`started`)."""
+        self._in_flight.setdefault(req_id, blocks)
         self._failing.append(req_id)
 
     @property
