@@ -149,8 +149,10 @@ class KVTailStats(KVConnectorStats):
         return snap
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: int(self.data[name]) for name in COUNTERS}
-        out.update({name: int(self.data[name]) for name in GAUGES if name in self.data})
+        # vLLM calls this in update_from_output for every step whose workers
+        # zeroed a tail: one C-level copy (data holds every counter and the
+        # gauges set, all ints: add, set_gauge, aggregate, from_dict store ints).
+        out: dict[str, Any] = dict(self.data)
         if self.inner_stats:
             out[INNER] = {path: stats.to_dict() for path, stats in self.inner_stats.items()}
         return out
