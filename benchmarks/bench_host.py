@@ -764,10 +764,11 @@ def print_report(res: dict[str, Any]) -> None:
                     f"| {_fmt(h['wrapper_us_per_step'] - h['bare_us_per_step'])} "
                     f"| {_fmt(h['paired_diff_us'])} |"
                 )
-        ll = sched["load_length"]
-        print("\nOne load's `update_state_after_alloc` (scheduler side) by load length:\n")
-        print("| tokens | blocks | bare µs | wrapper µs | added µs | added µs / block |")
-        print("|---|---|---|---|---|---|")
+        ll = sched.get("load_length", {})  # not with --floor
+        if ll:
+            print("\nOne load's `update_state_after_alloc` (scheduler side) by load length:\n")
+            print("| tokens | blocks | bare µs | wrapper µs | added µs | added µs / block |")
+            print("|---|---|---|---|---|---|")
         for tokens, r in ll.items():
             print(
                 f"| {tokens} | {r['blocks']} | {_fmt(r['bare']['median_us'])} "
