@@ -40,7 +40,6 @@ from typing import Any
 
 from kvtail_connector import entry
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.containment import mark_inner
 from kvtail_connector.features.consumer_tails.scheduler import Allocation, ConsumerTailsScheduler
 from kvtail_connector.features.entries import NOTHING, EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.features.kv_verification.scheduler import VerificationScheduler
@@ -105,7 +104,6 @@ class TailScheduler:
         self._records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
         self._starts = LoadStarts()
         self._matched = self._starts.by_request
-        self._inner = inner
         self._errors = LoadErrorsScheduler(stats)
         self._tails = ConsumerTailsScheduler()
         self._allocations = self._tails.allocations
@@ -227,11 +225,7 @@ class TailScheduler:
             local, load_async = start
             if load_async:
                 # The inner connector is asked here, in its own hook's time.
-                try:
-                    groups = self._inner.get_loaded_kv_cache_group_ids(request)
-                except BaseException as exc:
-                    mark_inner(exc)
-                    raise
+                groups = self._records.loaded_groups(request)
                 loaded = local + num_external_tokens
                 # Every id now (vLLM's blocks are in cache, and the record
                 # then depends on nothing vLLM may change); the record later.

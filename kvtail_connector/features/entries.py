@@ -184,7 +184,6 @@ class EntryReader:
         # pops it in place); and every request's reading until it finishes
         # (read once per request).
         self.readings: dict[str, Reading] = {}
-        self._entries = self.readings
         self._seen: dict[str, Reading] = {}
         # By load_async: what the reading is for (claims, bind, digest).
         # Claims are read where their path zeroes tails; the binding (and
@@ -209,7 +208,7 @@ class EntryReader:
         req_id = request.request_id
         seen = self._seen.get(req_id)
         if seen is not None:  # allocated again (0.32's MoRIIO re-matches): counted once
-            self._entries[req_id] = seen
+            self.readings[req_id] = seen
             return
         claims, bind, digest = self._asks[load_async]
         if not digest and entry.raw_entry(request.kv_transfer_params) is None:
@@ -218,22 +217,22 @@ class EntryReader:
             return
         if claims or digest:
             found = self._read(request, claims=claims, bind=bind, digest=digest)
-            self._entries[req_id] = self._seen[req_id] = found
+            self.readings[req_id] = self._seen[req_id] = found
 
     def take(self, req_id: str) -> Reading:
         """The reading for this allocation (``NOTHING`` if none)."""
-        return self._entries.pop(req_id, NOTHING)
+        return self.readings.pop(req_id, NOTHING)
 
     def drop(self, req_id: str) -> None:
-        self._entries.pop(req_id, None)
+        self.readings.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
-        self._entries.pop(req_id, None)
+        self.readings.pop(req_id, None)
         self._seen.pop(req_id, None)
 
     @property
     def num_tracked(self) -> int:
-        return len(self._entries) + len(self._seen)
+        return len(self.readings) + len(self._seen)
 
     def _read(self, request: Any, *, claims: bool, bind: bool, digest: bool) -> Reading:
         """The producer's ``kvtail`` entry of ``request``: ``(claim, expected)``.

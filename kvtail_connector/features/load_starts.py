@@ -24,13 +24,9 @@ class LoadStarts:
 
     def __init__(self) -> None:
         self.by_request: dict[str, Start] = {}
-        self._matched = self.by_request
-
-    def get(self, req_id: str) -> Start | None:
-        return self._matched.get(req_id)
 
     def pop(self, req_id: str) -> Start | None:
-        return self._matched.pop(req_id, None)
+        return self.by_request.pop(req_id, None)
 
     def holding(self) -> tuple[Sized, ...]:
         """The containers :meth:`held` reads, live (never replaced): empty
@@ -38,8 +34,8 @@ class LoadStarts:
         return (self.by_request,)
 
     def held(self) -> AbstractSet[str]:
-        return self._matched.keys()
+        return self.by_request.keys()
 
     @property
     def num_tracked(self) -> int:
-        return len(self._matched)
+        return len(self.by_request)

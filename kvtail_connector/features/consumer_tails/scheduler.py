@@ -48,9 +48,6 @@ class ConsumerTailsScheduler:
         self.allocations: list[Allocation] = []
         self._pending: list[LoadRecord] = []
 
-    def allocated(self, allocation: Allocation) -> None:
-        self.allocations.append(allocation)
-
     def take_allocations(self) -> list[Allocation]:
         taken = self.allocations[:]
         self.allocations.clear()
