@@ -219,10 +219,6 @@ class EntryReader:
             found = self._read(request, claims=claims, bind=bind, digest=digest)
             self.readings[req_id] = self._seen[req_id] = found
 
-    def take(self, req_id: str) -> Reading:
-        """The reading for this allocation (``NOTHING`` if none)."""
-        return self.readings.pop(req_id, NOTHING)
-
     def drop(self, req_id: str) -> None:
         self.readings.pop(req_id, None)
 
