@@ -132,7 +132,7 @@ class LoadRecords:
         load to verify) or every load is recorded (not with ``tails_only``)."""
         # Once per load, the step's loads in one pass: no helper calls, tuples
         # built in C (tuple.__new__ skips the NamedTuple's Python __new__).
-        tail_sizes, new, null = self._tail_sizes, tuple.__new__, _compat.NULL_BLOCK_ID
+        tail_sizes, new = self._tail_sizes, tuple.__new__
         entries = []
         any_tail = False
         for gid, ids in zip(loaded_groups, written, strict=True):
@@ -141,9 +141,7 @@ class LoadRecords:
                 continue
             if loaded % eb:
                 any_tail = True
-            if null in ids:
-                ids = null_as_ours(ids)
-            entries.append(new(GroupLoad, (gid, local // eb, ids)))
+            entries.append(new(GroupLoad, (gid, local // eb, null_as_ours(ids))))
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale, nothing to watch
         return new(LoadRecord, (req_id, local, loaded, tuple(entries), False, None, ()))
