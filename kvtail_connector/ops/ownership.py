@@ -6,8 +6,7 @@ in which each element has at most one owner can be zeroed exactly, however
 the slots interleave (transposed K, tiles of 16 tokens, two slots inside one
 32-bit word): :func:`regions_from_owner` cuts it into :class:`PageRegion` s
 over slot ranges, few of them, and proves the result by rebuilding the whole
-map from the regions. :func:`owner_of_bytes` is that rebuild, used by the
-torch path to mask page rows.
+map from the regions (:func:`owner_of_bytes`).
 """
 
 from __future__ import annotations
@@ -24,15 +23,14 @@ from kvtail_connector.ops.geometry import PageRegion
 MAX_REGIONS_PER_PAGE = 1 << 16
 
 
-def owner_of_bytes(regions: Sequence[PageRegion], slots_per_page: int, span: int) -> np.ndarray:
-    """The slot owning each byte of a ``span``-byte page (-1: none), int32.
-
-    Raises:
-        ValueError: two regions claim one byte.
-    """
-    owner = np.full(span, -1, dtype=np.int32)
+def slot_runs(
+    regions: Sequence[PageRegion], slots_per_page: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every slot's run in every region of a page: ``(first byte from the page
+    start, slot, bytes)``, int64 arrays of one length, region by region."""
     if not regions:
-        return owner
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
     lengths = np.array([r.slot_bytes for r in regions], dtype=np.int64)
     counts = np.array([r.count(slots_per_page) for r in regions], dtype=np.int64)
     region = np.repeat(np.arange(len(regions)), counts)
@@ -41,7 +39,17 @@ def owner_of_bytes(regions: Sequence[PageRegion], slots_per_page: int, span: int
     stride = np.array([r.stride for r in regions], dtype=np.int64)[region]
     first = np.array([r.first_slot for r in regions], dtype=np.int64)[region]
     step = np.array([r.slot_step for r in regions], dtype=np.int64)[region]
-    run_start, run_slot, run_len = offset + k * stride, first + k * step, lengths[region]
+    return offset + k * stride, first + k * step, lengths[region]
+
+
+def owner_of_bytes(regions: Sequence[PageRegion], slots_per_page: int, span: int) -> np.ndarray:
+    """The slot owning each byte of a ``span``-byte page (-1: none), int32.
+
+    Raises:
+        ValueError: two regions claim one byte.
+    """
+    owner = np.full(span, -1, dtype=np.int32)
+    run_start, run_slot, run_len = slot_runs(regions, slots_per_page)
     byte_run = np.repeat(np.arange(run_start.size), run_len)
     byte = np.arange(int(run_len.sum()), dtype=np.int64) - np.repeat(
         np.cumsum(run_len) - run_len, run_len

@@ -111,7 +111,7 @@ def launches(monkeypatch):
     """Every kernel launch and torch-path group zeroing, recorded, not run."""
     calls: list[str] = []
     monkeypatch.setattr(launcher, "launch_jit", lambda *a, **k: calls.append("triton"))
-    monkeypatch.setattr(torch_path, "zero_group", lambda *a, **k: calls.append("torch"))
+    monkeypatch.setattr(torch_path.GroupZeroing, "zero", lambda *a, **k: calls.append("torch"))
     return calls
 
 

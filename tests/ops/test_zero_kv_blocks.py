@@ -24,6 +24,7 @@ from kvtail_connector.ops import (
     indexer_cache,
     reference_zero_kv_blocks,
 )
+from kvtail_connector.ops.zero import torch_path
 from kvtail_connector.ops.zero._step_zeroer import StepZeroer
 from tests.helpers.layouts import DTYPES, LAYOUTS, make_backing, rebase, to_device
 
@@ -130,6 +131,38 @@ def test_tail_at_slot_zero_and_at_block_end(backend, device):
     )
     # v = 0 zeroes the block whole; v = P*N zeroes nothing.
     run_case(backing, backend, device, [], [(0, 0), (1, 8), (2, 4)], 2)
+
+
+@pytest.mark.parametrize("max_index", [1, 40])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+def test_torch_path_in_chunks_zeroes_the_same_bytes(monkeypatch, max_index, layout):
+    # An index is capped (whole blocks by the thousand): a cap below one item
+    # still zeroes one item per chunk, a cap of a few items splits the call.
+    monkeypatch.setattr(torch_path, "_MAX_INDEX", max_index)
+    backing = make_backing(
+        layout, num_layers=2, num_pages=12, heads=2, slots=4, content=8, dtype=torch.float16
+    )
+    run_case(backing, "torch", "cpu", [0, 5], [(1, 3), (2, 1), (3, 7), (4, 2), (3, 2)], 2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "content", "pad", "unit"),
+    [
+        (torch.float32, 8, (0, 0, 0, 0, 0), 8),  # 32-byte runs
+        (torch.bfloat16, 2, (0, 0, 0, 0, 0), 4),  # 4-byte runs
+        (torch.bfloat16, 8, (0, 0, 0, 4, 0), 4),  # 16-byte runs 20 bytes apart
+        (torch.bfloat16, 8, (0, 0, 2, 0, 0), 2),  # heads 2 bytes apart from a page start
+        (torch.float8_e4m3fn, 3, (0, 0, 0, 0, 0), 1),  # 3-byte runs
+    ],
+)
+def test_torch_path_zeroes_in_the_widest_unit_no_run_splits(dtype, content, pad, unit):
+    backing = make_backing(
+        "LBHNC", num_layers=2, num_pages=4, heads=2, slots=4, content=content, dtype=dtype, pad=pad
+    )
+    zeroer = KVZeroer([(backing.views, 1)], implementation="torch")
+    units = {u.unit for group in zeroer._torch for u, _ in group.by_units}
+    assert units == {unit}
+    run_case(backing, "torch", "cpu", [1], [(2, 1), (3, 3)], 1)
 
 
 @pytest.mark.parametrize(("backend", "device"), PATHS, ids=PATH_IDS)

@@ -134,6 +134,12 @@ class KVZeroer:
         ]
         self._any_slots_list = [int(x) for x in self._any_slots]
         self._launcher: launcher.KernelLauncher | None = None
+        self._torch: list[torch_path.GroupZeroing] = []
+        if self.implementation == "torch":
+            self._torch = [
+                torch_path.GroupZeroing(geoms, pages)
+                for geoms, pages in zip(self._geoms, self._pages, strict=True)
+            ]
         if self.implementation == "triton":
             table = torch.from_numpy(row_table([r for rows in all_lists for r in rows]))
             self._launcher = launcher.KernelLauncher(
@@ -232,20 +238,28 @@ class KVZeroer:
         """
         if len(items) == 0:
             return 0  # launch nothing, and skip the numpy work too
+        if self._launcher is None:
+            live = self._live(items, validate)
+            self._zero_torch(live)
+            return int(live.shape[0])
         encoded = self._encode(items, validate=validate)
         if encoded.num_items == 0:
             return 0
-        if self._launcher is None:
-            self._zero_torch(encoded.items)
-        else:
-            self._launcher.run(*encoded_work(encoded))
+        self._launcher.run(*encoded_work(encoded))
         return encoded.num_items
 
     def _zero_torch(self, items: np.ndarray) -> None:
+        """The torch path for live ``(group, block, first)`` items."""
+        if not items.shape[0]:
+            return
         groups = items[:, 0]
+        first_group = int(groups[0])
+        if (groups == first_group).all():  # the usual case: one group per call
+            self._torch[first_group].zero(items[:, 1], items[:, 2])
+            return
         for g in np.unique(groups):
             sel = items[groups == g]
-            torch_path.zero_group(self._geoms[int(g)], self._pages[int(g)], sel[:, 1], sel[:, 2])
+            self._torch[int(g)].zero(sel[:, 1], sel[:, 2])
 
     def warmup(self) -> None:
         """Compile the kernel (and capture its graphs), touching no cache byte."""
