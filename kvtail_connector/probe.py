@@ -22,19 +22,19 @@ def _tail_units(
     cache: torch.Tensor | RegionCache, pages: int, block: int, first: int
 ) -> tuple[torch.Tensor, int]:
     """The units the torch path zeroes for slots ``[first, P*N)`` of
-    ``block``, gathered, and their width in bytes."""
+    ``block``, gathered (``[units, words]``), and their width in bytes."""
     flat, units = cache_units(describe_cache(cache, 0))
     index = tail_index(units, pages, np.array([block]), np.array([first]))
     return flat[torch.from_numpy(index).to(flat.device)], units.unit
 
 
 def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor, unit: int) -> torch.Tensor:
-    """The gathered units as the cache's float values where whole elements
-    were gathered (a unit is never narrower than a float cache's element);
+    """The gathered units as the cache's float values where they hold whole
+    elements (always, for a float cache: runs start and end on elements);
     other pages (indexer values and scales) count no non-finite values."""
     t = cache.tensor if isinstance(cache, RegionCache) else cache
     if t.dtype.is_floating_point and unit % t.element_size() == 0:
-        return part.view(t.dtype)
+        return part.view(torch.uint8).view(t.dtype)
     return part.view(torch.uint8)
 
 

@@ -148,14 +148,14 @@ def test_torch_path_in_chunks_zeroes_the_same_bytes(monkeypatch, max_index, layo
 @pytest.mark.parametrize(
     ("dtype", "content", "pad", "unit"),
     [
-        (torch.float32, 8, (0, 0, 0, 0, 0), 8),  # 32-byte runs
-        (torch.bfloat16, 2, (0, 0, 0, 0, 0), 4),  # 4-byte runs
-        (torch.bfloat16, 8, (0, 0, 0, 4, 0), 4),  # 16-byte runs 20 bytes apart
-        (torch.bfloat16, 8, (0, 0, 2, 0, 0), 2),  # heads 2 bytes apart from a page start
-        (torch.float8_e4m3fn, 3, (0, 0, 0, 0, 0), 1),  # 3-byte runs
+        (torch.float32, 8, (0, 0, 0, 0, 0), 32),  # a head's row of one slot
+        (torch.bfloat16, 2, (0, 0, 0, 0, 0), 4),
+        (torch.bfloat16, 8, (0, 0, 0, 4, 0), 4),  # 16-byte rows 20 bytes apart
+        (torch.bfloat16, 8, (0, 0, 2, 0, 0), 2),  # heads 66 bytes apart
+        (torch.float8_e4m3fn, 3, (0, 0, 0, 0, 0), 1),  # 3-byte rows, layers 64 bytes in
     ],
 )
-def test_torch_path_zeroes_in_the_widest_unit_no_run_splits(dtype, content, pad, unit):
+def test_torch_path_zeroes_in_the_largest_unit_no_run_splits(dtype, content, pad, unit):
     backing = make_backing(
         "LBHNC", num_layers=2, num_pages=4, heads=2, slots=4, content=content, dtype=dtype, pad=pad
     )

@@ -1,12 +1,14 @@
 """The torch zeroing path: caches that are not on CUDA (vLLM's CPU engines).
 
-A page's bytes are counted in *units*, the widest integer (8, 4, 2 or 1
-bytes) that no slot's run splits, and every unit a slot owns is listed in slot
-order, so the units of slots ``>= s`` are one suffix of that list. A step's
-tails then become one numpy index of units per page geometry, shared by every
-layer of that geometry, and each cache is zeroed with one ``index_fill_`` on
-a flat integer view of its storage: the cost per layer is one torch call,
-whatever the page layout (CPU_ATTN's transposed and tiled pages included).
+A page's bytes are counted in *units*, the most bytes that divide every slot
+run's start and length (a head's row of ``C`` elements in most layouts, one
+element where a writer interleaves slots), and every unit a slot owns is
+listed in slot order, so the units of slots ``>= s`` are one suffix of that
+list. A step's tails then become one numpy index of units per page geometry,
+shared by every layer of that geometry, and each cache is zeroed with one
+``index_fill_`` over the rows of a ``[units, words]`` view of its storage:
+the cost per layer is one torch call, whatever the page layout (CPU_ATTN's
+transposed and tiled pages included).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from kvtail_connector.ops.geometry import CacheGeometry
 from kvtail_connector.ops.ownership import slot_runs
 
-_UNIT_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# A unit is stored as words of the widest integer dividing it.
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 # Units one index may hold (int64: 32 MiB); more items are zeroed in chunks,
 # so zeroing thousands of whole blocks does not build a gigabyte index.
@@ -47,7 +50,7 @@ class SlotUnits(NamedTuple):
 
 class CacheUnits(NamedTuple):
     """One cache as the torch path zeroes it: ``flat`` is its storage from its
-    first page's first byte, as 1-D integers of ``units.unit`` bytes."""
+    first page's first byte as ``[units, words]`` integers (a row per unit)."""
 
     flat: torch.Tensor
     units: SlotUnits
@@ -58,11 +61,10 @@ def _first_byte(g: CacheGeometry) -> int:
 
 
 def _unit_of(g: CacheGeometry) -> int:
-    """The widest unit that divides every run's start and length, the page
+    """The most bytes that divide every run's start and length, the page
     stride and where the first page starts in the storage."""
     starts, _, lengths = slot_runs(g.regions, g.slots_per_page)
-    common = int(np.gcd.reduce(np.concatenate([starts, lengths, [g.page_stride, _first_byte(g)]])))
-    return next(u for u in (8, 4, 2, 1) if common % u == 0)
+    return int(np.gcd.reduce(np.concatenate([starts, lengths, [g.page_stride, _first_byte(g)]])))
 
 
 # Per page geometry and unit; small numpy arrays, never a cache's tensor.
@@ -95,11 +97,13 @@ def slot_units(g: CacheGeometry, unit: int) -> SlotUnits:
 def cache_units(g: CacheGeometry) -> CacheUnits:
     """``g`` as a flat view of units over its storage, and its page's units."""
     unit = _unit_of(g)
+    word = next(w for w in (8, 4, 2, 1) if unit % w == 0)
     t = g.tensor
     storage = t.untyped_storage()
     first = _first_byte(g)
-    flat = torch.empty(0, dtype=_UNIT_DTYPES[unit], device=t.device).set_(
-        storage, first // unit, ((storage.nbytes() - first) // unit,), (1,)
+    words = unit // word
+    flat = torch.empty(0, dtype=_WORD_DTYPES[word], device=t.device).set_(
+        storage, first // word, ((storage.nbytes() - first) // unit, words), (words, 1)
     )
     return CacheUnits(flat, slot_units(g, unit))
 
