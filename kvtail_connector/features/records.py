@@ -5,6 +5,7 @@ parts that ship records to the workers)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any
 
 from kvtail_connector import _compat
@@ -66,6 +67,10 @@ def null_as_ours(ids: tuple[int, ...]) -> tuple[int, ...]:
     return ids
 
 
+# C-level: no Python frame per block id.
+_BLOCK_ID = attrgetter("block_id")
+
+
 class LoadRecords:
     """Builds the records of loads.
 
@@ -111,9 +116,7 @@ class LoadRecords:
         written = []
         for gid in loaded_groups:
             eb = sizes[gid]
-            written.append(
-                tuple([b.block_id for b in per_group[gid][local // eb : -(-loaded // eb)]])
-            )
+            written.append(tuple(map(_BLOCK_ID, per_group[gid][local // eb : -(-loaded // eb)])))
         return tuple(written)
 
     def from_written(
