@@ -56,6 +56,8 @@ def probe_items(
         counts = found.setdefault(req_id, [0, 0])
         pages = cache_set.pages_per_block
         for cache in cache_set.caches:
+            if not (cache.tensor if isinstance(cache, RegionCache) else cache).numel():
+                continue  # no byte (a zero-sized H or C), as the zeroing skips it
             part, unit = _tail_units(cache, pages, block, first)
             counts[0] += int(part.view(torch.uint8).count_nonzero())
             counts[1] += _nonfinite(_as_values(cache, part, unit))

@@ -165,6 +165,70 @@ def test_torch_path_zeroes_in_the_largest_unit_no_run_splits(dtype, content, pad
     run_case(backing, "torch", "cpu", [1], [(2, 1), (3, 3)], 1)
 
 
+# Caches the torch path's unit must respect: each term of its gcd decides one.
+_UNIT_EDGES = {
+    # uint8 pages starting at an odd byte of their storage (the first byte).
+    "odd_first_byte": lambda raw: torch.as_strided(
+        raw.view(torch.uint8), (6, 2, 4, 8), (64, 32, 8, 1), storage_offset=65
+    ),
+    # 8-byte slot runs in pages 4 bytes off an 8-byte grid (the page stride).
+    "page_stride_4_mod_8": lambda raw: torch.as_strided(
+        raw.view(torch.float32), (6, 1, 4, 2), (9, 9, 2, 1), storage_offset=16
+    ),
+    # 8-byte runs 12 bytes apart in 48-byte pages (the run starts).
+    "run_start": lambda raw: torch.as_strided(
+        raw.view(torch.float32), (6, 1, 4, 2), (12, 12, 3, 1), storage_offset=16
+    ),
+    # Runs of 6 bytes 8 apart: 2-byte units (the run lengths).
+    "run_length": lambda raw: torch.as_strided(
+        raw.view(torch.int16), (6, 1, 4, 3), (16, 16, 4, 1), storage_offset=32
+    ),
+    # Regions over every other slot, from slot 1, a counted run among them.
+    "slot_steps": lambda raw: RegionCache(
+        torch.as_strided(raw.view(torch.uint8), (6, 96), (96, 1), storage_offset=64),
+        8,
+        (
+            PageRegion(offset=0, slot_bytes=6, slot_stride=8, slot_step=2),
+            PageRegion(
+                offset=64, slot_bytes=6, slot_stride=10, first_slot=1, slot_step=2, n_slots=3
+            ),
+            PageRegion(offset=40, slot_bytes=4, first_slot=7, n_slots=1),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize(("backend", "device"), PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("edge", list(_UNIT_EDGES))
+def test_unit_edges_against_the_reference(backend, device, edge):
+    gen = torch.Generator().manual_seed(5)
+    raw = torch.randint(1, 127, (1024,), dtype=torch.int8, generator=gen)
+    expected = raw.clone()
+    on_dev = raw.clone().to(device)
+    make = _UNIT_EDGES[edge]
+    zeroer = KVZeroer([([make(on_dev)], 1)], implementation=backend)
+    tails = [(1, 1), (2, 3), (4, 2), (4, 1)]
+    zeroer.zero(np.array([(0, b, v) for b, v in tails] + [(0, 3, 0)]))
+    reference_zero_kv_blocks([make(expected)], [3], tails)
+    got = on_dev.cpu()
+    assert torch.equal(got, expected), _diff(got, expected)
+    assert not torch.equal(got, raw)  # the case zeroes something
+
+
+def test_a_torch_zeroer_built_in_inference_mode_zeroes_outside_it():
+    # vLLM runs its steps under inference mode; a zeroer built there (a cache
+    # registered inside it) must still write when called outside, and back.
+    cache = torch.ones(4, 2, 4, 8)
+    with torch.inference_mode():
+        zeroer = KVZeroer([([cache], 1)], implementation="torch")
+    zeroer.zero(np.array([[0, 2, 1]]))
+    with torch.inference_mode():
+        zeroer.zero(np.array([[0, 1, 3]]))
+    expected = torch.ones(4, 2, 4, 8)
+    reference_zero_kv_blocks([expected], [], [(2, 1), (1, 3)])
+    assert torch.equal(cache, expected)
+
+
 @pytest.mark.parametrize(("backend", "device"), PATHS, ids=PATH_IDS)
 def test_nothing_to_zero_touches_nothing(backend, device):
     backing = make_backing(

@@ -13,6 +13,7 @@ transposed and tiled pages included).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -60,15 +61,21 @@ def _first_byte(g: CacheGeometry) -> int:
     return int(g.tensor.storage_offset() * g.tensor.element_size())
 
 
+# Per page geometry: the gcd of its runs' starts and lengths; per page
+# geometry and unit, its SlotUnits. Small numpy arrays, never a cache's tensor.
+_RUNS_GCD: dict[tuple, int] = {}
+_SLOT_UNITS: dict[tuple, SlotUnits] = {}
+
+
 def _unit_of(g: CacheGeometry) -> int:
     """The most bytes that divide every run's start and length, the page
     stride and where the first page starts in the storage."""
-    starts, _, lengths = slot_runs(g.regions, g.slots_per_page)
-    return int(np.gcd.reduce(np.concatenate([starts, lengths, [g.page_stride, _first_byte(g)]])))
-
-
-# Per page geometry and unit; small numpy arrays, never a cache's tensor.
-_SLOT_UNITS: dict[tuple, SlotUnits] = {}
+    key = (g.regions_id, g.slots_per_page)
+    runs = _RUNS_GCD.get(key)
+    if runs is None:
+        starts, _, lengths = slot_runs(g.regions, g.slots_per_page)
+        runs = _RUNS_GCD[key] = int(np.gcd.reduce(np.concatenate([starts, lengths])))
+    return math.gcd(runs, g.page_stride, _first_byte(g))
 
 
 def slot_units(g: CacheGeometry, unit: int) -> SlotUnits:
@@ -102,9 +109,12 @@ def cache_units(g: CacheGeometry) -> CacheUnits:
     storage = t.untyped_storage()
     first = _first_byte(g)
     words = unit // word
-    flat = torch.empty(0, dtype=_WORD_DTYPES[word], device=t.device).set_(
-        storage, first // word, ((storage.nbytes() - first) // unit, words), (words, 1)
-    )
+    # A view made under inference mode (a cache registered inside it) could
+    # not be written outside it; the cache itself can.
+    with torch.inference_mode(False):
+        flat = torch.empty(0, dtype=_WORD_DTYPES[word], device=t.device).set_(
+            storage, first // word, ((storage.nbytes() - first) // unit, words), (words, 1)
+        )
     return CacheUnits(flat, slot_units(g, unit))
 
 
