@@ -23,9 +23,13 @@ def _tail_units(
 ) -> tuple[torch.Tensor, int]:
     """The units the torch path zeroes for slots ``[first, P*N)`` of
     ``block``, gathered (``[units, words]``), and their width in bytes."""
-    flat, units = cache_units(describe_cache(cache, 0))
-    index = tail_index(units, pages, np.array([block]), np.array([first]))
-    return flat[torch.from_numpy(index).to(flat.device)], units.unit
+    flat, units, page_rows = cache_units(describe_cache(cache, 0))
+    whole, single = tail_index(units, pages, np.array([block]), np.array([first]))
+    parts = [flat[torch.from_numpy(single).to(flat.device)]]
+    if whole.size and page_rows is not None:
+        rows = page_rows[torch.from_numpy(whole).to(flat.device)]
+        parts.append(rows.reshape(-1, flat.shape[1]))
+    return torch.cat(parts), units.unit
 
 
 def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor, unit: int) -> torch.Tensor:

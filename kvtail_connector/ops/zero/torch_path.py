@@ -41,20 +41,34 @@ class SlotUnits(NamedTuple):
         first_at: int64 ``[N + 1]``: ``offsets[first_at[s]:]`` are the units
             of slots ``>= s``.
         page_units: units from one page's start to the next's.
+        dense: slots own every unit from one page's start to the next's, so
+            a whole page is one run (zeroed as a row of page rows).
     """
 
     unit: int
     offsets: np.ndarray
     first_at: np.ndarray
     page_units: int
+    dense: bool
 
 
 class CacheUnits(NamedTuple):
     """One cache as the torch path zeroes it: ``flat`` is its storage from its
-    first page's first byte as ``[units, words]`` integers (a row per unit)."""
+    first page's first byte as ``[units, words]`` integers (a row per unit);
+    ``pages`` the same bytes as ``[pages, page_units, words]`` where the page
+    geometry is dense (else None)."""
 
     flat: torch.Tensor
     units: SlotUnits
+    pages: torch.Tensor | None
+
+
+class TailIndex(NamedTuple):
+    """What a call zeroes in one page geometry: ``pages``, whole pages (dense
+    geometries only), and ``units``, single units of the other pages; int64."""
+
+    pages: np.ndarray
+    units: np.ndarray
 
 
 def _first_byte(g: CacheGeometry) -> int:
@@ -95,8 +109,12 @@ def slot_units(g: CacheGeometry, unit: int) -> SlotUnits:
     order = np.lexsort((offsets, owner))
     owner = owner[order]
     first_at = np.searchsorted(owner, np.arange(g.slots_per_page + 1), side="left")
+    page_units = g.page_stride // unit
+    dense = offsets.size == page_units and np.array_equal(
+        np.sort(offsets), np.arange(page_units, dtype=np.int64)
+    )
     found = _SLOT_UNITS[key] = SlotUnits(
-        unit, offsets[order], first_at.astype(np.int64), g.page_stride // unit
+        unit, offsets[order], first_at.astype(np.int64), page_units, bool(dense)
     )
     return found
 
@@ -111,17 +129,26 @@ def cache_units(g: CacheGeometry) -> CacheUnits:
     words = unit // word
     # A view made under inference mode (a cache registered inside it) could
     # not be written outside it; the cache itself can.
+    units = slot_units(g, unit)
     with torch.inference_mode(False):
         flat = torch.empty(0, dtype=_WORD_DTYPES[word], device=t.device).set_(
             storage, first // word, ((storage.nbytes() - first) // unit, words), (words, 1)
         )
-    return CacheUnits(flat, slot_units(g, unit))
+        pages = None
+        if units.dense:
+            pages = flat.as_strided(
+                (g.num_pages, units.page_units, words), (units.page_units * words, words, 1)
+            )
+    return CacheUnits(flat, units, pages)
+
+
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def tail_index(
     units: SlotUnits, pages_per_block: int, blocks: np.ndarray, firsts: np.ndarray
-) -> np.ndarray:
-    """The units of slots ``[first, P*N)`` of each item's block, int64 (a unit
+) -> TailIndex:
+    """The pages and units of slots ``[first, P*N)`` of each item's block (one
     appears twice where two items name one block: zeroing is idempotent)."""
     n = units.first_at.size - 1
     kernel_page = np.arange(pages_per_block, dtype=np.int64)
@@ -129,14 +156,19 @@ def tail_index(
     page = blocks[:, None] * pages_per_block + kernel_page[None, :]
     keep = lo < n
     page, lo = page[keep], lo[keep]
+    whole = _NONE
+    if units.dense:
+        full = lo == 0
+        if full.any():
+            whole, page, lo = page[full], page[~full], lo[~full]
     start = units.first_at[lo]
     count = units.offsets.size - start
     total = int(count.sum())
     if total == 0:
-        return np.zeros(0, dtype=np.int64)
+        return TailIndex(whole, _NONE)
     step_start = np.cumsum(count) - count
     pos = np.arange(total, dtype=np.int64) + np.repeat(start - step_start, count)
-    return units.offsets[pos] + np.repeat(page * units.page_units, count)
+    return TailIndex(whole, units.offsets[pos] + np.repeat(page * units.page_units, count))
 
 
 class GroupZeroing:
@@ -149,25 +181,32 @@ class GroupZeroing:
     def __init__(self, geoms: Sequence[CacheGeometry], pages_per_block: int) -> None:
         self.pages_per_block = pages_per_block
         seen: set[tuple] = set()
-        by_units: dict[int, tuple[SlotUnits, list[torch.Tensor]]] = {}
+        by_units: dict[int, tuple[SlotUnits, list[CacheUnits]]] = {}
         for g in geoms:
             if g.alias_key in seen or not g.tensor.numel():
                 continue
             seen.add(g.alias_key)
-            flat, units = cache_units(g)
-            by_units.setdefault(id(units), (units, []))[1].append(flat)
+            cache = cache_units(g)
+            by_units.setdefault(id(cache.units), (cache.units, []))[1].append(cache)
         self.by_units = list(by_units.values())
 
     def zero(self, blocks: np.ndarray, firsts: np.ndarray) -> None:
         """Zero slots ``[first, P*N)`` of every item's block in every cache."""
         pages = self.pages_per_block
-        for units, flats in self.by_units:
+        for units, caches in self.by_units:
+            device = caches[0].flat.device
             per_item = max(1, pages * units.offsets.size)
             chunk = max(1, _MAX_INDEX // per_item)
             for at in range(0, blocks.size, chunk):
-                index = tail_index(units, pages, blocks[at : at + chunk], firsts[at : at + chunk])
-                if not index.size:
-                    continue
-                indices = torch.from_numpy(index).to(flats[0].device)
-                for flat in flats:
-                    flat.index_fill_(0, indices, 0)
+                whole, single = tail_index(
+                    units, pages, blocks[at : at + chunk], firsts[at : at + chunk]
+                )
+                if whole.size:
+                    index = torch.from_numpy(whole).to(device)
+                    for cache in caches:
+                        assert cache.pages is not None  # whole pages: dense geometries only
+                        cache.pages.index_fill_(0, index, 0)
+                if single.size:
+                    index = torch.from_numpy(single).to(device)
+                    for cache in caches:
+                        cache.flat.index_fill_(0, index, 0)
