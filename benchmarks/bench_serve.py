@@ -31,6 +31,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demo.router import Router  # noqa: E402
@@ -115,6 +117,20 @@ def start_cpu_pairs(
     return {v: (p.prefill.url, p.decode.url) for v, p in fleet.pairs.items()}
 
 
+def paired_ratio(plain: list[float], wrapped: list[float]) -> dict[str, float]:
+    """Median over rounds of wrapped/plain throughput (plain wall / wrapped
+    wall, the same requests), with a 95 % bootstrap interval of that median."""
+    r = np.asarray(plain) / np.asarray(wrapped)
+    rng = np.random.default_rng(0)
+    boots = np.median(rng.choice(r, (5000, r.size)), axis=1)
+    return {
+        "median": float(np.median(r)),
+        "low": float(np.percentile(boots, 2.5)),
+        "high": float(np.percentile(boots, 97.5)),
+        "rounds": int(r.size),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefill-url", action="append", default=[], help="LABEL=URL (plain, wrapped)")
@@ -164,12 +180,14 @@ def main() -> int:
             run_batch(routers[v], args.model, args.concurrency, args.concurrency, 4, seed=99)
         collected: dict[str, list[Answer]] = {v: [] for v in VARIANTS}
         walls: dict[str, float] = dict.fromkeys(VARIANTS, 0.0)
+        round_walls: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for v in order:
                 answers, wall = run_batch(routers[v], *common, seed=r)  # same prompts for both
                 collected[v] += answers
                 walls[v] += wall
+                round_walls[v].append(wall)
                 print(f"round {r + 1}/{args.rounds} {v:8s} {wall:6.1f} s", flush=True)
 
     results = {v: summarize(collected[v], walls[v]) for v in VARIANTS}
@@ -180,6 +198,9 @@ def main() -> int:
         "ttft_p50": w["ttft_p50_ms"] / p["ttft_p50_ms"],
         "itl_p50": w["itl_p50_ms"] / p["itl_p50_ms"],
     }
+    # Each round runs the same requests through both pairs back to back: the
+    # median of per-round ratios is less moved by the machine's drift.
+    paired = paired_ratio(round_walls["plain"], round_walls["wrapped"])
     keys = [k for k in p if k not in ("requests", "wall_s")]
     print(f"\n{'':22s} {'plain':>10s} {'wrapped':>10s}")
     for k in keys:
@@ -188,11 +209,18 @@ def main() -> int:
         "\nwrapped/plain: requests/s {requests_per_s:.3f}, decode tokens/s "
         "{decode_tokens_per_s:.3f}, TTFT p50 {ttft_p50:.3f}, ITL p50 {itl_p50:.3f}".format(**ratios)
     )
+    print(
+        "wrapped/plain requests/s per round (paired): median {median:.3f} "
+        "[{low:.3f}, {high:.3f}] (95 % bootstrap, {rounds} rounds)".format(**paired)
+    )
     keys_set = ("rounds", "requests", "concurrency", "max_tokens", "zero_tails", "control")
     settings = {k: getattr(args, k) for k in keys_set}
     if args.json:
         args.json.write_text(
-            json.dumps({"settings": settings, "results": results, "ratios": ratios}, indent=2)
+            json.dumps(
+                {"settings": settings, "results": results, "ratios": ratios, "paired": paired},
+                indent=2,
+            )
         )
     errors = p["errors"] + w["errors"]
     if errors:
