@@ -93,7 +93,7 @@ def summarize(answers: list[Answer], wall: float) -> dict[str, Any]:
 
 
 def start_cpu_pairs(
-    stack: ExitStack, log_dir: Path, zero_tails: str, control: bool
+    stack: ExitStack, log_dir: Path, zero_tails: str, control: bool, vouch_tails: str = "auto"
 ) -> dict[str, tuple[str, str]]:
     """A plain and a wrapped NIXL pair of tiny-Llama servers (probe off). With
     ``control`` the "wrapped" pair is plain too: the ratio then shows the noise."""
@@ -111,6 +111,7 @@ def start_cpu_pairs(
             zero_tails=zero_tails,
             probe=False,
             spec={"max_num_seqs": 32},
+            options={"vouch_tails": vouch_tails},
         )
     print(f"starting 4 API servers (logs in {log_dir}) ...", flush=True)
     fleet.start()
@@ -151,6 +152,12 @@ def main() -> int:
         help="the CPU wrapped pair's zero_tails (the tiny Llama needs always to zero)",
     )
     ap.add_argument(
+        "--vouch-tails",
+        choices=["auto", "trust", "off"],
+        default="auto",
+        help="the CPU wrapped pair's vouch_tails (auto: the producer zeroes and vouches)",
+    )
+    ap.add_argument(
         "--control", action="store_true", help="CPU: both pairs plain (an A/A run: the noise)"
     )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -168,7 +175,9 @@ def main() -> int:
                     raise SystemExit("give --prefill-url and --decode-url for plain and wrapped")
                 pairs = {v: (pre[v], dec[v]) for v in VARIANTS}
             else:
-                pairs = start_cpu_pairs(stack, log_dir, args.zero_tails, args.control)
+                pairs = start_cpu_pairs(
+                    stack, log_dir, args.zero_tails, args.control, args.vouch_tails
+                )
             for v in VARIANTS:
                 p, d = pairs[v]
                 routers[v] = stack.enter_context(Router(v, [p], [d], log_dir)).url
@@ -213,7 +222,15 @@ def main() -> int:
         "wrapped/plain requests/s per round (paired): median {median:.3f} "
         "[{low:.3f}, {high:.3f}] (95 % bootstrap, {rounds} rounds)".format(**paired)
     )
-    keys_set = ("rounds", "requests", "concurrency", "max_tokens", "zero_tails", "control")
+    keys_set = (
+        "rounds",
+        "requests",
+        "concurrency",
+        "max_tokens",
+        "zero_tails",
+        "vouch_tails",
+        "control",
+    )
     settings = {k: getattr(args, k) for k in keys_set}
     if args.json:
         args.json.write_text(
