@@ -145,6 +145,18 @@ def test_torch_path_in_chunks_zeroes_the_same_bytes(monkeypatch, max_index, layo
     run_case(backing, "torch", "cpu", [0, 5], [(1, 3), (2, 1), (3, 7), (4, 2), (3, 2)], 2)
 
 
+@pytest.mark.parametrize("few", [0, 8], ids=["vectorized", "item-by-item"])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])  # dense pages, and not
+def test_torch_path_item_by_item_and_vectorized_zero_the_same_bytes(monkeypatch, few, layout):
+    # A few one-page items take a suffix of the slot-ordered units each;
+    # more take the vectorized index. Whole blocks, tails, a duplicate, a no-op.
+    monkeypatch.setattr(torch_path, "_FEW", few)
+    backing = make_backing(
+        layout, num_layers=2, num_pages=8, heads=2, slots=4, content=8, dtype=torch.bfloat16
+    )
+    run_case(backing, "torch", "cpu", [2], [(1, 3), (5, 1), (5, 1), (6, 4), (7, 2)], 1)
+
+
 @pytest.mark.parametrize(
     ("dtype", "content", "pad", "unit"),
     [

@@ -143,6 +143,26 @@ def cache_units(g: CacheGeometry) -> CacheUnits:
 
 
 _NONE = np.zeros(0, dtype=np.int64)
+# Up to this many one-page items (a step's completions, a producer's prompts)
+# take a suffix view of the slot-ordered units each: a few numpy calls per
+# item instead of a dozen per call.
+_FEW = 8
+
+
+def _few_tails(units: SlotUnits, n: int, blocks: np.ndarray, firsts: np.ndarray) -> TailIndex:
+    """:func:`tail_index` for one kernel page per block, item by item."""
+    whole: list[int] = []
+    parts: list[np.ndarray] = []
+    offsets, first_at, page_units = units.offsets, units.first_at, units.page_units
+    for block, first in zip(blocks.tolist(), firsts.tolist(), strict=True):
+        if first >= n:
+            continue
+        if first == 0 and units.dense:
+            whole.append(block)
+        else:
+            parts.append(offsets[first_at[first] :] + block * page_units)
+    single = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NONE
+    return TailIndex(np.array(whole, dtype=np.int64) if whole else _NONE, single)
 
 
 def tail_index(
@@ -151,6 +171,8 @@ def tail_index(
     """The pages and units of slots ``[first, P*N)`` of each item's block (one
     appears twice where two items name one block: zeroing is idempotent)."""
     n = units.first_at.size - 1
+    if pages_per_block == 1 and blocks.size <= _FEW:
+        return _few_tails(units, n, blocks, firsts)
     kernel_page = np.arange(pages_per_block, dtype=np.int64)
     lo = np.clip(firsts[:, None] - kernel_page[None, :] * n, 0, n)
     page = blocks[:, None] * pages_per_block + kernel_page[None, :]
