@@ -15,21 +15,19 @@ import torch
 from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.ops.geometry import describe_cache
-from kvtail_connector.ops.zero.torch_path import cache_units, tail_index
+from kvtail_connector.ops.zero.torch_path import CacheUnits, cache_units, tail_index
 
 
-def _tail_units(
-    cache: torch.Tensor | RegionCache, pages: int, block: int, first: int
-) -> tuple[torch.Tensor, int]:
+def _tail_units(found: CacheUnits, pages: int, block: int, first: int) -> torch.Tensor:
     """The units the torch path zeroes for slots ``[first, P*N)`` of
-    ``block``, gathered (``[units, words]``), and their width in bytes."""
-    flat, units, page_rows = cache_units(describe_cache(cache, 0))
+    ``block``, gathered (``[units, words]``)."""
+    flat, units, page_rows = found
     whole, single = tail_index(units, pages, np.array([block]), np.array([first]))
     parts = [flat[torch.from_numpy(single).to(flat.device)]]
     if whole.size and page_rows is not None:
         rows = page_rows[torch.from_numpy(whole).to(flat.device)]
         parts.append(rows.reshape(-1, flat.shape[1]))
-    return torch.cat(parts), units.unit
+    return torch.cat(parts)
 
 
 def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor, unit: int) -> torch.Tensor:
@@ -54,6 +52,8 @@ def probe_items(
     """``{request id: (non-zero bytes, non-finite values)}`` of the slots
     ``items`` (set index, block, first slot) are about to zero."""
     found: dict[str, list[int]] = {}
+    # Each cache's geometry and views, once per call (not per item).
+    views: dict[int, CacheUnits] = {}
     for row, req_id in zip(items.tolist(), owners, strict=True):
         set_index, block, first = row
         cache_set = sets[set_index]
@@ -62,7 +62,10 @@ def probe_items(
         for cache in cache_set.caches:
             if not (cache.tensor if isinstance(cache, RegionCache) else cache).numel():
                 continue  # no byte (a zero-sized H or C), as the zeroing skips it
-            part, unit = _tail_units(cache, pages, block, first)
+            at = views.get(id(cache))
+            if at is None:
+                at = views[id(cache)] = cache_units(describe_cache(cache, 0))
+            part = _tail_units(at, pages, block, first)
             counts[0] += int(part.view(torch.uint8).count_nonzero())
-            counts[1] += _nonfinite(_as_values(cache, part, unit))
+            counts[1] += _nonfinite(_as_values(cache, part, at.units.unit))
     return {req: (c[0], c[1]) for req, c in found.items()}

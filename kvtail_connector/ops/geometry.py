@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtail_connector.ops.integers import as_int
@@ -119,6 +120,54 @@ def indexer_cache(tensor: torch.Tensor, value_bytes: int, scale_bytes: int) -> R
         slots_per_page=n,
         regions=(PageRegion(0, value_bytes), PageRegion(n * value_bytes, scale_bytes)),
     )
+
+
+def slot_runs(
+    regions: Sequence[PageRegion], slots_per_page: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every slot's run in every region of a page: ``(first byte from the page
+    start, slot, bytes)``, int64 arrays of one length, region by region."""
+    if not regions:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    lengths = np.array([r.slot_bytes for r in regions], dtype=np.int64)
+    counts = np.array([r.count(slots_per_page) for r in regions], dtype=np.int64)
+    region = np.repeat(np.arange(len(regions)), counts)
+    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    offset = np.array([r.offset for r in regions], dtype=np.int64)[region]
+    stride = np.array([r.stride for r in regions], dtype=np.int64)[region]
+    first = np.array([r.first_slot for r in regions], dtype=np.int64)[region]
+    step = np.array([r.slot_step for r in regions], dtype=np.int64)[region]
+    return offset + k * stride, first + k * step, lengths[region]
+
+
+def _refuse_shared_bytes(regions: tuple[PageRegion, ...], n: int, name: str) -> None:
+    """Raise ValueError naming ``name`` where two slots' runs share a byte
+    (zeroing one would zero the other's). Once per region tuple and ``n``."""
+    key = (_REGION_IDS.setdefault(regions, len(_REGION_IDS)), n)
+    if key in _DISJOINT:
+        return
+    starts, slots, lengths = slot_runs(regions, n)
+    order = np.argsort(starts, kind="stable")
+    starts, slots, ends = starts[order], slots[order], (starts + lengths)[order]
+    if starts.size > 1 and (starts[1:] < np.maximum.accumulate(ends)[:-1]).any():
+        # Some runs overlap: only different slots on one byte are refused.
+        owner = np.full(int(ends.max()), -1, dtype=np.int64)
+        for start, end, slot in zip(starts.tolist(), ends.tolist(), slots.tolist(), strict=True):
+            taken = owner[start:end]
+            clash = (taken >= 0) & (taken != slot)
+            if clash.any():
+                at = start + int(np.argmax(clash))
+                raise ValueError(
+                    f"{name}: slots {int(owner[at])} and {slot} share byte {at} of a page, "
+                    "so neither can be zeroed alone"
+                )
+            taken[:] = slot
+    _DISJOINT.add(key)
+
+
+# (region tuple id, slots per page) whose slots were checked not to share bytes.
+_DISJOINT: set[tuple[int, int]] = set()
 
 
 @dataclass(frozen=True)
@@ -294,6 +343,7 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
                 raise ValueError(
                     f"{name}: region {r} does not fit a page of {page_span} bytes with {n} slots"
                 )
+        _refuse_shared_bytes(tuple(cache.regions), n, name)
         return CacheGeometry(
             tensor=t,
             num_pages=int(t.shape[0]),

@@ -16,30 +16,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvtail_connector.ops.geometry import PageRegion
+from kvtail_connector.ops.geometry import PageRegion, slot_runs
 
 # Regions per page the decomposition may produce; a page needing more is not
 # a layout this package can zero in reasonable work (and is refused).
 MAX_REGIONS_PER_PAGE = 1 << 16
-
-
-def slot_runs(
-    regions: Sequence[PageRegion], slots_per_page: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every slot's run in every region of a page: ``(first byte from the page
-    start, slot, bytes)``, int64 arrays of one length, region by region."""
-    if not regions:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    lengths = np.array([r.slot_bytes for r in regions], dtype=np.int64)
-    counts = np.array([r.count(slots_per_page) for r in regions], dtype=np.int64)
-    region = np.repeat(np.arange(len(regions)), counts)
-    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    offset = np.array([r.offset for r in regions], dtype=np.int64)[region]
-    stride = np.array([r.stride for r in regions], dtype=np.int64)[region]
-    first = np.array([r.first_slot for r in regions], dtype=np.int64)[region]
-    step = np.array([r.slot_step for r in regions], dtype=np.int64)[region]
-    return offset + k * stride, first + k * step, lengths[region]
 
 
 def owner_of_bytes(regions: Sequence[PageRegion], slots_per_page: int, span: int) -> np.ndarray:

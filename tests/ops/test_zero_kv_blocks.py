@@ -195,6 +195,13 @@ _UNIT_EDGES = {
     "run_length": lambda raw: torch.as_strided(
         raw.view(torch.int16), (6, 1, 4, 3), (16, 16, 4, 1), storage_offset=32
     ),
+    # Slot 0's bytes claimed by two regions: 5 units listed for a 5-unit page
+    # that is not dense (its last unit is no slot's), so no whole-page rows.
+    "same_slot_twice": lambda raw: RegionCache(
+        torch.as_strided(raw.view(torch.uint8), (6, 10), (10, 1), storage_offset=64),
+        4,
+        (PageRegion(offset=0, slot_bytes=2), PageRegion(offset=0, slot_bytes=2, n_slots=1)),
+    ),
     # Regions over every other slot, from slot 1, a counted run among them.
     "slot_steps": lambda raw: RegionCache(
         torch.as_strided(raw.view(torch.uint8), (6, 96), (96, 1), storage_offset=64),
@@ -225,6 +232,31 @@ def test_unit_edges_against_the_reference(backend, device, edge):
     got = on_dev.cpu()
     assert torch.equal(got, expected), _diff(got, expected)
     assert not torch.equal(got, raw)  # the case zeroes something
+
+
+@pytest.mark.parametrize(("pad", "dense"), [((0, 0, 0, 0, 0), True), ((0, 0, 0, 4, 0), False)])
+def test_whole_pages_are_rows_where_every_unit_is_a_slots(pad, dense):
+    backing = make_backing(
+        "LBHNC",
+        num_layers=2,
+        num_pages=4,
+        heads=2,
+        slots=4,
+        content=8,
+        dtype=torch.bfloat16,
+        pad=pad,
+    )
+    zeroer = KVZeroer([(backing.views, 1)], implementation="torch")
+    caches = [c for group in zeroer._torch for _, found in group.by_units for c in found]
+    assert [c.pages is not None for c in caches] == [dense, dense]
+    run_case(backing, "torch", "cpu", [1, 3], [(2, 1)], 1)
+
+
+def test_regions_where_two_slots_share_a_byte_are_refused():
+    page = torch.zeros(4, 16, dtype=torch.uint8)
+    shared = (PageRegion(offset=0, slot_bytes=4), PageRegion(offset=6, slot_bytes=4, n_slots=1))
+    with pytest.raises(ValueError, match=r"caches\[0\]: slots 1 and 0 share byte 6"):
+        KVZeroer([([RegionCache(page, 2, shared)], 1)], implementation="torch")
 
 
 def test_a_torch_zeroer_built_in_inference_mode_zeroes_outside_it():

@@ -35,6 +35,21 @@ def test_probe_counts_what_slicing_counts():
     assert found["a"][1] > 0 and found["b"][0] > 0  # the case counts something
 
 
+def test_probe_counts_whole_pages_of_dense_caches():
+    # No padding: a whole kernel page (first slot 0 of it) is gathered as a row.
+    gen = torch.Generator().manual_seed(8)
+    view = torch.randn(8, 2, 4, 8, generator=gen).to(torch.float16)
+    view[view > 1.0] = float("nan")
+    items = np.array([[0, 1, 0], [0, 2, 2], [0, 3, 5]])
+    found = probe_items([CacheSet(0, 2, 1, [view])], items, ["a", "b", "c"])
+    assert found == {
+        "a": _sliced(view, 2, 1, 0),
+        "b": _sliced(view, 2, 2, 2),
+        "c": _sliced(view, 2, 3, 5),
+    }
+    assert found["a"][1] > 0  # the case counts something
+
+
 def test_an_empty_view_counts_nothing_of_the_storage_it_sits_in():
     # H = 0 inside a live buffer: a real address, no bytes of its own.
     big = torch.ones(256)

@@ -20,8 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtail_connector.ops.geometry import CacheGeometry
-from kvtail_connector.ops.ownership import slot_runs
+from kvtail_connector.ops.geometry import CacheGeometry, slot_runs
 
 # A unit is stored as words of the widest integer dividing it.
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
