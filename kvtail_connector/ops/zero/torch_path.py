@@ -126,9 +126,9 @@ def cache_units(g: CacheGeometry) -> CacheUnits:
     storage = t.untyped_storage()
     first = _first_byte(g)
     words = unit // word
+    units = slot_units(g, unit)
     # A view made under inference mode (a cache registered inside it) could
     # not be written outside it; the cache itself can.
-    units = slot_units(g, unit)
     with torch.inference_mode(False):
         flat = torch.empty(0, dtype=_WORD_DTYPES[word], device=t.device).set_(
             storage, first // word, ((storage.nbytes() - first) // unit, words), (words, 1)
