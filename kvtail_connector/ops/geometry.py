@@ -207,7 +207,6 @@ class CacheGeometry:
         slots_per_page: ``N``.
         page_stride: bytes between consecutive pages.
         regions: the page's regions.
-        is_view_4d: True for plain ``[B, H, N, C]`` views (slot dim 2).
     """
 
     tensor: torch.Tensor
@@ -215,7 +214,6 @@ class CacheGeometry:
     slots_per_page: int
     page_stride: int
     regions: tuple[PageRegion, ...]
-    is_view_4d: bool
 
     def rows(self, pages_per_block: int) -> list[Row]:
         """Rows for every region and kernel page of a manager block."""
@@ -234,11 +232,6 @@ class CacheGeometry:
             for j in range(pages_per_block)
             for r in self.regions
         ]
-
-    @functools.cached_property
-    def page_span(self) -> int:
-        """Bytes from a page's start to the end of its last region."""
-        return max(r.end(self.slots_per_page) for r in self.regions)
 
     @functools.cached_property
     def regions_id(self) -> int:
@@ -350,7 +343,6 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
             slots_per_page=n,
             page_stride=t.stride(0) * el,
             regions=tuple(cache.regions),
-            is_view_4d=False,
         )
     if not isinstance(cache, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor or RegionCache, got {type(cache)}")
@@ -366,7 +358,6 @@ def describe_cache(cache: torch.Tensor | RegionCache, index: int) -> CacheGeomet
         slots_per_page=int(cache.shape[2]),
         page_stride=cache.stride(0) * cache.element_size(),
         regions=_regions_of_view(cache),
-        is_view_4d=True,
     )
 
 
