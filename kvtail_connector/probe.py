@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.ops import RegionCache
 from kvtail_connector.ops.geometry import describe_cache
 from kvtail_connector.ops.zero.torch_path import CacheUnits, cache_units, tail_index
 
@@ -30,11 +29,11 @@ def _tail_units(found: CacheUnits, pages: int, block: int, first: int) -> torch.
     return torch.cat(parts)
 
 
-def _as_values(cache: torch.Tensor | RegionCache, part: torch.Tensor, unit: int) -> torch.Tensor:
-    """The gathered units as the cache's float values where they hold whole
-    elements (always, for a float cache: runs start and end on elements);
-    other pages (indexer values and scales) count no non-finite values."""
-    t = cache.tensor if isinstance(cache, RegionCache) else cache
+def _as_values(t: torch.Tensor, part: torch.Tensor, unit: int) -> torch.Tensor:
+    """The gathered units as the float values of cache tensor ``t`` where they
+    hold whole elements (always, for a float cache: runs start and end on
+    elements); other pages (indexer values and scales) count no non-finite
+    values."""
     if t.dtype.is_floating_point and unit % t.element_size() == 0:
         return part.view(torch.uint8).view(t.dtype)
     return part.view(torch.uint8)
@@ -52,20 +51,23 @@ def probe_items(
     """``{request id: (non-zero bytes, non-finite values)}`` of the slots
     ``items`` (set index, block, first slot) are about to zero."""
     found: dict[str, list[int]] = {}
-    # Each cache's geometry and views, once per call (not per item).
-    views: dict[int, CacheUnits] = {}
+    # Each cache's tensor and views, once per call (not per item); None for
+    # an empty cache (a zero-sized H or C): no byte, as the zeroing skips it.
+    views: dict[int, tuple[torch.Tensor, CacheUnits | None]] = {}
     for row, req_id in zip(items.tolist(), owners, strict=True):
         set_index, block, first = row
         cache_set = sets[set_index]
         counts = found.setdefault(req_id, [0, 0])
         pages = cache_set.pages_per_block
         for cache in cache_set.caches:
-            if not (cache.tensor if isinstance(cache, RegionCache) else cache).numel():
-                continue  # no byte (a zero-sized H or C), as the zeroing skips it
-            at = views.get(id(cache))
+            known = views.get(id(cache))
+            if known is None:
+                g = describe_cache(cache, 0)
+                known = views[id(cache)] = (g.tensor, cache_units(g) if g.tensor.numel() else None)
+            t, at = known
             if at is None:
-                at = views[id(cache)] = cache_units(describe_cache(cache, 0))
+                continue
             part = _tail_units(at, pages, block, first)
             counts[0] += int(part.view(torch.uint8).count_nonzero())
-            counts[1] += _nonfinite(_as_values(cache, part, at.units.unit))
+            counts[1] += _nonfinite(_as_values(t, part, at.units.unit))
     return {req: (c[0], c[1]) for req, c in found.items()}
