@@ -155,7 +155,8 @@ def main() -> int:
         "--vouch-tails",
         choices=["auto", "trust", "off"],
         default="auto",
-        help="the CPU wrapped pair's vouch_tails (auto: the producer zeroes and vouches)",
+        help="the CPU wrapped pair's vouch_tails (trust: the producer zeroes and vouches; "
+        "auto: over NIXL it does not, the consumer zeroes anyway)",
     )
     ap.add_argument(
         "--control", action="store_true", help="CPU: both pairs plain (an A/A run: the noise)"

@@ -80,10 +80,9 @@ def scenario(name: str) -> Scenario:
             notes=[
                 "NaN planted in the producer's never-written tail slots after its prefill, "
                 "before the decode engine pulls the blocks.",
-                "With both sides wrapped the producer zeroes its tail and vouches for it "
-                '(vouch_tails); the consumer (vouch_tails "auto") checks the claim and zeroes '
-                "every async-load tail itself all the same, so the NaN planted after the claim "
-                "never reaches decoding.",
+                'Both sides wrapped, vouch_tails "auto": the consumer zeroes every async-load '
+                "tail itself, so the producer makes no claim it would not use (over NIXL), and "
+                "the NaN planted after the prefill never reaches decoding.",
                 'zero_tails="always": this model has one KV precision, so vLLM zeroes no new '
                 'blocks (needs_kv_cache_zeroing=False) and "auto" would leave the tail alone.',
             ],

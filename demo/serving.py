@@ -47,6 +47,8 @@ class ServePair:
     """A prefill server and a decode server per policy in ``policies``.
 
     ``decode`` is the first decode server; ``decodes[policy]`` any of them.
+    ``options``: the wrapper's fields on every server; ``producer_options``
+    on the prefill server only, over ``options`` (e.g. ``vouch_tails``).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ServePair:
         probe: bool = True,
         spec: dict[str, Any] | None = None,
         options: dict[str, Any] | None = None,
+        producer_options: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.backend: Backend = backend
@@ -75,7 +78,8 @@ class ServePair:
             env = {**env, **self.master.env}
 
         def server(side: str, role: Literal["producer", "consumer"], policy: Policy) -> APIServer:
-            kv = pair_kv_config(backend, role, wrapped, zero_tails, policy, probe, options)
+            side_options = {**(options or {}), **((role == "producer" and producer_options) or {})}
+            kv = pair_kv_config(backend, role, wrapped, zero_tails, policy, probe, side_options)
             return APIServer(
                 ServerSpec(f"{name}-{side}", str(model), kv, env=dict(env), **overrides),
                 self.log_dir,

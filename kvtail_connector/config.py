@@ -31,9 +31,9 @@ _FIELD_HELP = {
     "backend_extra_config": "a JSON object passed to the backend as its kv_connector_extra_config",
     "zero_tails": 'one of "auto" (zero when vLLM zeroes new blocks), "always" or "off"',
     "probe_stale_tails": "true or false (a JSON boolean, not a string or a number)",
-    "vouch_tails": 'one of "auto" (producers zero and vouch for their prompt tails; consumers '
-    'check claims and skip only per-layer MoRIIO READ tails), "trust" (consumers skip every '
-    'tail a bound claim covers) or "off"',
+    "vouch_tails": 'one of "auto" (consumers check claims and skip only per-layer MoRIIO READ '
+    'tails; producers vouch only there), "trust" (producers zero and vouch for every '
+    'remote-decode prompt tail; consumers skip every tail a bound claim covers) or "off"',
     "entry_key_env": "the NAME of an environment variable holding the shared key (never the "
     "key itself), e.g. KVTAIL_ENTRY_KEY",
     "verify_kv": 'one of "off", "digest" (producers send a digest of each remote-decode '
@@ -70,16 +70,19 @@ class KVTailConfig(BaseModel):
             consumer it also checks the tails a producer vouched for (the
             canary: non-zero bytes there are zeroed and counted as
             ``false_vouches``).
-        vouch_tails: ``auto`` (the default): a producer whose transfer
+        vouch_tails: ``auto`` (the default): a consumer checks a producer's
+            claim (counted) but still zeroes every async load's tail itself,
+            and skips only MoRIIO READ tails zeroed per layer (vLLM 0.32),
+            where skipping saves milliseconds per step; a producer vouches
+            only where such a consumer skips on the claim (MoRIIO READ on a
+            vLLM that zeroes READ tails per layer): elsewhere its zeroing
+            would be paid for nothing. ``trust``: a producer whose transfer
             carries its whole blocks (NIXL, MoRIIO READ) zeroes the slots past
             each remote-decode prompt in its last block and adds a ``kvtail``
             entry saying so to the request's ``kv_transfer_params``; a
-            consumer checks the claim (counted) but still zeroes every async
-            load's tail itself, and skips only MoRIIO READ tails zeroed per
-            layer (vLLM 0.32), where skipping saves milliseconds per step.
-            ``trust``: the same, and a consumer skips every tail a bound
-            claim for its geometry and length covers. ``off``: neither (a
-            consumer then zeroes as if no entry came).
+            consumer skips every tail a bound claim for its geometry and
+            length covers. ``off``: neither (a consumer then zeroes as if no
+            entry came).
         entry_key_env: the name of an environment variable holding a key
             shared by producers and consumers (read once at start-up; named
             but unset or empty is refused). A producer then adds an

@@ -239,9 +239,14 @@ def resolve_policy(
     # leaves less zeroed than vLLM would.
     zero_reads = sync_read and is_consumer and (zero or needs_zeroing)
     # Tails matter wherever this config has a consumer zero them (tails or READ
-    # tails): the producer runs the same model and settings.
+    # tails): the producer runs the same model and settings. Under "auto" a
+    # claim pays only where a consumer with these settings skips on it (READ
+    # tails zeroed layer by layer): elsewhere it zeroes anyway, and the
+    # producer's zeroing was most of the wrapper's own CPU time on a CPU
+    # prefill engine (RESULTS.md, section 5).
+    claims_used = cfg.vouch_tails == "trust" or (sync_read and reads_may_land_per_layer)
     vouch = (
-        cfg.vouch_tails != "off"
+        claims_used
         and is_producer
         and carries_producer_tail
         and producer_hook is not None

@@ -4,9 +4,10 @@
     never reaches decoding - the decode engine's blocks hold no NaN, the output
     equals a single-engine run, and the wrapper's counters (read from the decode
     engine's Prometheus metrics) show the tail zeroed and what the probe saw.
-    Both sides run the wrapper, so P zeroes its tail and vouches for it; the NaN
-    is planted after that claim. D (vouch_tails "auto", the default) checks the
-    claim, counts it, and zeroes the tail itself all the same, NaN or not. A
+    Both sides run the wrapper; P (vouch_tails "trust") zeroes its tail and
+    vouches for it; the NaN is planted after that claim. D (vouch_tails "auto",
+    the default) checks the claim, counts it, and zeroes the tail itself all the
+    same, NaN or not. A
     plain P and a plain D each interoperate with a wrapped other side.
 (b) The control: the same request through the plain NixlConnector delivers the
     NaN tail and breaks decoding, so (a) can fail.
@@ -87,7 +88,9 @@ class TestNixl:
         wrapped = PDPair(
             model,
             "nixl",
-            wrapped_kv_config("nixl", "producer", "always"),
+            # An auto P vouches only where an auto D would skip on the claim
+            # (not over NIXL): trust, so that D has claims to check.
+            wrapped_kv_config("nixl", "producer", "always", vouch_tails="trust"),
             wrapped_kv_config("nixl", "consumer", "always"),
             log_dir=logs / "wrapped",
             name="wrapped",

@@ -144,7 +144,7 @@ def test_a_failing_fallback_is_contained_too(caplog):
 
 
 def test_a_producer_hook_failure_makes_no_claim(caplog):
-    h = Harness("always", kv_role="kv_producer")
+    h = Harness("always", kv_role="kv_producer", vouch_tails="trust")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(h.worker._worker, "produce", _raise)
         h.add("p1", 37, max_tokens=1, do_remote_decode=True)
@@ -165,7 +165,7 @@ def test_a_producer_hook_failure_makes_no_claim(caplog):
 
 
 def test_a_scheduler_side_failure_at_output_makes_no_claim():
-    h = Harness("always", kv_role="kv_producer")
+    h = Harness("always", kv_role="kv_producer", vouch_tails="trust")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(h.scheduler.connector._scheduler._claims, "granted", _raise)
         h.add("p1", 37, max_tokens=1, do_remote_decode=True)

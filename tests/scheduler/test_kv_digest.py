@@ -88,10 +88,11 @@ def test_the_producer_sends_the_sums_of_its_prompt_kv(sent):
     (ids,) = params["remote_block_ids"]
     expected = reference(p, ids, 0, PROMPT, 1024)
     assert dg.sums == {0: {h: tuple(v) for h, v in expected.items()}}
-    assert found.tail_zero  # zero_tails "always": P vouches too
+    # vouch_tails "auto": no claim where an auto consumer zeroes anyway.
+    assert not found.tail_zero
     raw = params[entry.KEY]["dg"]["g"]["0"]["0"]
     assert len(raw) == 1 and len(raw[0]) == 16  # hex strings, one segment
-    assert p.stats["digests_sent"] == 1 and p.stats["tails_vouched"] == 1
+    assert p.stats["digests_sent"] == 1 and p.stats["tails_vouched"] == 0
     assert p.worker.scheduler_state_is_empty()
     assert p.scheduler.connector.scheduler_state_is_empty()
 
@@ -109,9 +110,9 @@ def test_a_producer_that_does_not_zero_still_sends_its_digest():
 
 
 def test_with_verify_kv_off_the_producer_sends_no_digest():
-    p = Harness("always", kv_role="kv_producer", verify_kv="off")
+    p = Harness("always", kv_role="kv_producer", verify_kv="off", vouch_tails="trust")
     params = prefill(p)
-    assert "dg" not in params[entry.KEY]
+    assert params[entry.KEY]["tail"] == "zero" and "dg" not in params[entry.KEY]
     assert p.stats["digests_sent"] == 0
 
 

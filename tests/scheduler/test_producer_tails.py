@@ -35,7 +35,10 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 def producer(**kw: Any) -> Harness:
     # Claims alone: the digest (verify_kv, auto by default) has its own tests.
+    # trust: an auto producer vouches only where an auto consumer skips on the
+    # claim (READ tails zeroed per layer), not over this transport.
     kw.setdefault("verify_kv", "off")
+    kw.setdefault("vouch_tails", "trust")
     return Harness("always", kv_role="kv_producer", **kw)
 
 
@@ -99,6 +102,21 @@ def test_a_remote_decode_prompt_leaves_with_a_claim_after_its_tail_is_zeroed():
     assert h.stats["tails_vouched"] == 1
     assert h.stats["producer_tail_bytes_zeroed"] == 11 * len(LAYERS) * slot_bytes(view)
     assert h.stats["tail_bytes_zeroed"] == 0
+
+
+def test_by_default_a_producer_over_nixl_makes_no_claim_and_zeroes_nothing():
+    # vouch_tails auto: an auto consumer zeroes every async load's tail itself,
+    # so this producer (its transfer carries its whole blocks, as NIXL's does)
+    # would zero for a claim nobody uses: it does neither.
+    h = producer(vouch_tails="auto")
+    assert not h.scheduler.connector._policy.vouches_for_tails
+    h.add("p1", 37, max_tokens=1, do_remote_decode=True)
+    params = step(h)["p1"]
+    assert params["do_remote_prefill"] is True and entry.KEY not in params
+    view = h.caches.views[LAYERS[0]]
+    assert torch.isnan(view).all()  # no slot of any block zeroed
+    h.finish()
+    assert h.stats["tails_vouched"] == 0 and h.stats["producer_tail_bytes_zeroed"] == 0
 
 
 def test_a_block_aligned_prompt_is_vouched_for_with_nothing_to_zero():

@@ -1,8 +1,10 @@
 """The servers of the serving tests, started once per session.
 
 A single-engine reference server, a plain NIXL pair and a pair with
-``KVTailConnector`` around NIXL whose prefill server feeds two decode servers,
-one per ``kv_load_failure_policy`` (recompute, fail). All start at once (their
+``KVTailConnector`` around NIXL whose prefill server (``vouch_tails: trust``,
+so it vouches for its tails) feeds two decode servers (``vouch_tails: auto``,
+so they check each claim and zero anyway), one per ``kv_load_failure_policy``
+(recompute, fail). All start at once (their
 imports overlap) and are stopped at the end of the session, or as soon as one
 fails to start; the plain pair is stopped once its tests are done.
 """
@@ -38,6 +40,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     fleet = Fleet(tmp_path_factory.mktemp("serve-logs"))
     reference = fleet.add_reference(model)
     plain = fleet.add_pair("plain", model, wrapped=False)
-    wrapped = fleet.add_pair("wrapped", model, wrapped=True, policies=("recompute", "fail"))
+    # P vouches for its tails (trust); D checks each claim and zeroes anyway (auto).
+    wrapped = fleet.add_pair(
+        "wrapped",
+        model,
+        wrapped=True,
+        policies=("recompute", "fail"),
+        producer_options={"vouch_tails": "trust"},
+    )
     with fleet.start():
         yield Servers(fleet, reference, plain, wrapped)

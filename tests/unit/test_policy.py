@@ -111,22 +111,39 @@ def _claims(vouch: str = "auto", zero_tails: str = "always", **facts):
 
 
 def test_a_producer_vouches_only_where_its_transfer_carries_the_zeroed_tail():
-    p = _claims(is_producer=True)
+    p = _claims("trust", is_producer=True)
     assert p.vouches_for_tails and p.producer_hook == "wait_for_save" and p.needs_caches
-    assert not _claims(is_producer=True, carries_producer_tail=False).vouches_for_tails
-    drafter = _claims(is_producer=True, producer_hook=None)  # no ordered hook
+    assert not _claims("trust", is_producer=True, carries_producer_tail=False).vouches_for_tails
+    drafter = _claims("trust", is_producer=True, producer_hook=None)  # no ordered hook
     assert not drafter.vouches_for_tails and drafter.producer_hook is None
-    assert not _claims(is_producer=False).vouches_for_tails
+    assert not _claims("trust", is_producer=False).vouches_for_tails
     assert not _claims("off", is_producer=True).vouches_for_tails
+
+
+def test_by_default_a_producer_vouches_only_where_a_consumer_skips_on_the_claim():
+    # auto: an auto consumer zeroes every async load's tail anyway (NIXL, Mooncake):
+    # the producer's zeroing would buy nothing, so it makes no claim...
+    assert not _claims(is_producer=True).vouches_for_tails
+    assert not _claims(is_producer=True, needs_zeroing=True, sync_read=True).vouches_for_tails
+    # ...but where READ tails are zeroed layer by layer (vLLM 0.32), it does.
+    per_layer = _claims(
+        is_producer=True, needs_zeroing=True, sync_read=True, reads_may_land_per_layer=True
+    )
+    assert per_layer.vouches_for_tails and per_layer.producer_hook == "wait_for_save"
+    # Where it vouches it is what a consumer with the same settings trusts.
+    consumer = _claims(reads_may_land_per_layer=True, **READ)
+    assert consumer.trusts_read_claims
 
 
 def test_a_producer_vouches_where_its_consumer_would_zero():
     # Tails matter where zero_tails zeroes, or where READ tails are zeroed anyway.
-    assert not _claims(zero_tails="auto", is_producer=True).vouches_for_tails  # model needs none
-    assert _claims(zero_tails="auto", is_producer=True, needs_zeroing=True).vouches_for_tails
-    off = _claims(zero_tails="off", is_producer=True, needs_zeroing=True)
+    assert not _claims("trust", zero_tails="auto", is_producer=True).vouches_for_tails  # none
+    assert _claims(
+        "trust", zero_tails="auto", is_producer=True, needs_zeroing=True
+    ).vouches_for_tails
+    off = _claims("trust", zero_tails="off", is_producer=True, needs_zeroing=True)
     assert not off.vouches_for_tails and not off.needs_caches
-    read = _claims(zero_tails="off", is_producer=True, needs_zeroing=True, sync_read=True)
+    read = _claims("trust", zero_tails="off", is_producer=True, needs_zeroing=True, sync_read=True)
     assert read.vouches_for_tails and read.needs_caches
 
 
@@ -135,7 +152,6 @@ def test_a_consumer_checks_claims_only_over_a_transfer_that_carries_them():
         assert _claims(vouch, is_consumer=True).checks_claims
         assert not _claims(vouch, is_consumer=True, carries_producer_tail=False).checks_claims
         assert not _claims(vouch, is_consumer=False).checks_claims
-        assert _claims(vouch, is_producer=True).vouches_for_tails  # producers vouch in both
     off = _claims("off", is_consumer=True)
     assert not (off.checks_claims or off.trusts_some_claim)
     both = _claims("trust", is_consumer=True, is_producer=True)  # kv_both
