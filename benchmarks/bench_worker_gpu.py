@@ -4,7 +4,9 @@ What ``get_transfer_results`` adds when loads complete: pop their records,
 join their tails' work lines (packed when the records arrived), one graph
 replay (copy + launch, the slot's event recorded inside the graph).
 Measured per call with the GPU idle before each call (host time only), as a
-ratio to launching an empty Triton kernel in the same run.
+ratio to launching an empty Triton kernel, timed right after each call of
+the row (the host's speed drifts within a run; the header's bare launch is
+timed once, at the start).
 
     PYTHONPATH=. python3 benchmarks/bench_worker_gpu.py [--json out.json]
 
@@ -69,7 +71,7 @@ def median_us(samples: list[float]) -> float:
 
 
 def host_time(fn, reps: int, before=None) -> float:
-    """Median host seconds of ``fn`` with the GPU idle before each call."""
+    """Median host µs of ``fn`` with the GPU idle before each call."""
     out = []
     for _ in range(reps):
         if before is not None:
@@ -80,6 +82,27 @@ def host_time(fn, reps: int, before=None) -> float:
         out.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return median_us(out)
+
+
+def host_time_vs_bare(fn, bare, reps: int, before=None) -> tuple[float, float]:
+    """Median host µs of ``fn`` and of ``bare`` (one bare launch) timed right
+    after it in the same rep, the GPU idle before each: the host's speed drifts
+    within a run (2x between two rows of the same work on a shared host), and a
+    ratio to a launch timed beside the row does not."""
+    out, base = [], []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bare()
+        base.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return median_us(out), median_us(base)
 
 
 def build_worker(
@@ -147,7 +170,7 @@ def device_us(fn) -> float:
     return start.elapsed_time(end) * 1e3
 
 
-def read_tail_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
+def read_tail_rows(reps: int, bare, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
     """MoRIIO READ tails: all layers after start_load_kv (0.33, FULL graphs on
     0.32) against one launch per layer after each wait_for_layer_load (0.32)."""
     worker = build_worker(layers, num_blocks, read_tails_by_layer=True)
@@ -174,13 +197,17 @@ def read_tail_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[
         paths += (("per layer, vouched", per_layer_vouched),)
         for path, fn in paths:
             fn()
-            host = host_time(fn, reps)
+            host, bare_us = host_time_vs_bare(fn, bare, reps)
             dev = sorted(device_us(fn) for _ in range(21))[10]
-            rows.append(dict(path=path, layers=layers, reads=n, host_us=host, device_us=dev))
+            rows.append(
+                dict(
+                    path=path, layers=layers, reads=n, host_us=host, bare_us=bare_us, device_us=dev
+                )
+            )
     return rows
 
 
-def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
+def producer_rows(reps: int, bare, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
     """A producer's added cost per step: bind its prompt-tail records (where
     they are encoded), zero them in the hook (one launch), build the worker
     metadata; each timed alone, and the three together."""
@@ -199,9 +226,9 @@ def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[d
 
         step()
         bind_us = host_time(bind, reps, before=lambda: worker.worker_meta(None))
-        hook_us = host_time(worker.produce, reps, before=bind)
+        hook_us, hook_bare_us = host_time_vs_bare(worker.produce, bare, reps, before=bind)
         meta_us = host_time(lambda: worker.worker_meta(None), reps, before=step)
-        host = host_time(step, reps)
+        host, bare_us = host_time_vs_bare(step, bare, reps)
         dev = sorted(device_us(step) for _ in range(21))[10]
         rows.append(
             dict(
@@ -210,7 +237,9 @@ def producer_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[d
                 host_us=host,
                 bind_us=bind_us,
                 hook_us=hook_us,
+                hook_bare_us=hook_bare_us,
                 meta_us=meta_us,
+                bare_us=bare_us,
                 device_us=dev,
             )
         )
@@ -314,6 +343,7 @@ def digest_rows(
 
 def completion_rows(
     reps: int,
+    bare,
     layer_counts: tuple[int, ...] = (2, 80),
     num_blocks: int = 1024,
     sizes: tuple[int, ...] = (0, 1, 64),
@@ -345,11 +375,11 @@ def completion_rows(
                 )
 
             if n:
-                us = host_time(complete, reps, before=bind)
+                us, bare_us = host_time_vs_bare(complete, bare, reps, before=bind)
             else:
                 in_flight = KVTailMetadata(inner=None, loads=records(64, num_blocks))  # type: ignore[arg-type]
                 worker.bind(in_flight)
-                us = host_time(complete, reps)
+                us, bare_us = host_time_vs_bare(complete, bare, reps)
                 worker.contain_transfer_results(
                     KVConnectorTransferResults(
                         finished_recving={r.req_id for r in in_flight.loads}
@@ -358,12 +388,14 @@ def completion_rows(
                 )
             bind_us = host_time(bind, reps, before=forget)
             forget()
-            rows.append(dict(layers=layers, tails=n, complete_us=us, bind_us=bind_us))
+            rows.append(
+                dict(layers=layers, tails=n, complete_us=us, bare_us=bare_us, bind_us=bind_us)
+            )
     return rows
 
 
 def pickled_rows(
-    reps: int, layers: int = 80, num_blocks: int = 4096, blocks_per_load: int = 64
+    reps: int, bare, layers: int = 80, num_blocks: int = 4096, blocks_per_load: int = 64
 ) -> list[dict[str, float]]:
     """Completion and bind as a multi-process executor delivers the metadata:
     unpickled each step (fresh objects, freed when their load completes), with
@@ -406,10 +438,12 @@ def pickled_rows(
         def complete(results=results, worker=worker):
             worker.transfer_results(results, set(), inner)
 
-        complete_us = host_time(complete, reps, before=bind_fresh)
+        complete_us, bare_us = host_time_vs_bare(complete, bare, reps, before=bind_fresh)
         bind_us = host_time(bind, reps, before=unpickle)
         worker.contain_transfer_results(results, set())
-        rows.append(dict(layers=layers, tails=n, complete_us=complete_us, bind_us=bind_us))
+        rows.append(
+            dict(layers=layers, tails=n, complete_us=complete_us, bare_us=bare_us, bind_us=bind_us)
+        )
     return rows
 
 
@@ -423,42 +457,58 @@ def main() -> int:
         return 2
     x = torch.empty(1, device="cuda")
     _noop[(1,)](x)
-    bare = host_time(lambda: _noop[(1,)](x), args.reps)
-    rows = completion_rows(args.reps)
+
+    def launch() -> None:
+        _noop[(1,)](x)
+
+    bare = host_time(launch, args.reps)
+    rows = completion_rows(args.reps, launch)
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
         + (", vLLM not installed (benchmarks/without_vllm.py)" if VLLM_STOOD_IN else "")
     )
     print(f"# one bare Triton launch (empty kernel, JIT): {bare:.1f} µs host")
+    print("# each ratio: to a bare launch timed right after the row's call, in each rep")
     print("get_transfer_results (0 completing: 64 loads in flight, none done), and bind")
-    print("| layers | tails completing | completion µs (host) | / bare launch | bind µs (host) |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| layers | tails completing | completion µs (host) | bare launch µs | / bare launch "
+        "| bind µs (host) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['layers']} | {r['tails']} | {r['complete_us']:.1f} | "
-            f"{r['complete_us'] / bare:.2f} | {r['bind_us']:.1f} |"
+            f"| {r['layers']} | {r['tails']} | {r['complete_us']:.1f} | {r['bare_us']:.1f} | "
+            f"{r['complete_us'] / r['bare_us']:.2f} | {r['bind_us']:.1f} |"
         )
-    pickled = pickled_rows(args.reps)
+    pickled = pickled_rows(args.reps, launch)
     print()
     print("The same, the metadata unpickled each step (multi-process executor), 64 blocks/load")
-    print("| layers | tails completing | completion µs (host) | / bare launch | bind µs (host) |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "| layers | tails completing | completion µs (host) | bare launch µs | / bare launch "
+        "| bind µs (host) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in pickled:
         print(
-            f"| {r['layers']} | {r['tails']} | {r['complete_us']:.1f} | "
-            f"{r['complete_us'] / bare:.2f} | {r['bind_us']:.1f} |"
+            f"| {r['layers']} | {r['tails']} | {r['complete_us']:.1f} | {r['bare_us']:.1f} | "
+            f"{r['complete_us'] / r['bare_us']:.2f} | {r['bind_us']:.1f} |"
         )
-    read_rows = read_tail_rows(max(args.reps // 3, 50))
+    read_rows = read_tail_rows(max(args.reps // 3, 50), launch)
     print()
     print("MoRIIO READ tails, 80 layers (host includes bind; device: queued behind a sleep)")
-    print("| zeroed | READ loads | host µs | / bare launch | device µs |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| zeroed | READ loads | host µs | bare launch µs | / bare launch | per layer / bare "
+        "| device µs |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in read_rows:
+        ratio = r["host_us"] / r["bare_us"]
+        per_layer = f"{ratio / r['layers']:.2f}" if r["path"] == "per layer" else ""
         print(
-            f"| {r['path']} | {r['reads']} | {r['host_us']:.1f} | "
-            f"{r['host_us'] / bare:.2f} | {r['device_us']:.1f} |"
+            f"| {r['path']} | {r['reads']} | {r['host_us']:.1f} | {r['bare_us']:.1f} | "
+            f"{ratio:.2f} | {per_layer} | {r['device_us']:.1f} |"
         )
-    producer = producer_rows(max(args.reps // 3, 50))
+    producer = producer_rows(max(args.reps // 3, 50), launch)
     print()
     print("Producer: prompt tails zeroed in the step that completes them, 80 layers")
     print("(host: bind, the hook, the worker metadata, and the three; device: behind a sleep)")
@@ -470,8 +520,8 @@ def main() -> int:
     for r in producer:
         print(
             f"| {r['prompts']} | {r['bind_us']:.1f} | {r['hook_us']:.1f} | "
-            f"{r['hook_us'] / bare:.2f} | {r['meta_us']:.1f} | {r['host_us']:.1f} | "
-            f"{r['host_us'] / bare:.2f} | {r['device_us']:.1f} |"
+            f"{r['hook_us'] / r['hook_bare_us']:.2f} | {r['meta_us']:.1f} | {r['host_us']:.1f} | "
+            f"{r['host_us'] / r['bare_us']:.2f} | {r['device_us']:.1f} |"
         )
     digest = digest_rows(max(args.reps // 10, 20))
     print()

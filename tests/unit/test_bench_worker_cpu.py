@@ -49,7 +49,21 @@ def once(fn, reps=1, before=None):
     return 1.0
 
 
+def once_vs_bare(fn, bare, reps=1, before=None):
+    once(fn, reps, before)
+    bare()
+    return 1.0, 1.0
+
+
+launches = []
+
+
+def bare():
+    launches.append(1)
+
+
 bench.make_cache, bench.host_time, bench.device_us = make_cache, once, once
+bench.host_time_vs_bare = once_vs_bare
 
 worker = bench.build_worker(2, 64)
 raw = caches[-1]
@@ -63,10 +77,12 @@ worker.bind(KVTailMetadata(inner=None, loads=loads))
 zeroed = worker.on_transfer_results({r.req_id for r in loads}, (), bench._NoLoadErrors())
 
 rows = {
-    "read": bench.read_tail_rows(1, layers=2, num_blocks=64),
-    "producer": bench.producer_rows(1, layers=2, num_blocks=64),
+    "read": bench.read_tail_rows(1, bare, layers=2, num_blocks=64),
+    "producer": bench.producer_rows(1, bare, layers=2, num_blocks=64),
     "digest": bench.digest_rows(1, layers=2, num_blocks=64, sizes=((1, 40), (2, 24))),
-    "completion": bench.completion_rows(1, layer_counts=(2,), num_blocks=64, sizes=(0, 1, 3)),
+    "completion": bench.completion_rows(
+        1, bare, layer_counts=(2,), num_blocks=64, sizes=(0, 1, 3)
+    ),
 }
 print(json.dumps(dict(
     stood_in=bench.VLLM_STOOD_IN,
@@ -74,6 +90,10 @@ print(json.dumps(dict(
     zeroed=sorted(zeroed),
     bytes_as_expected=torch.equal(raw, expected),
     rows={name: len(table) for name, table in rows.items()},
+    bare_launches=len(launches),
+    ratios_have_a_bare=all(
+        "bare_us" in row for name in ("read", "producer", "completion") for row in rows[name]
+    ),
 )))
 """
 
@@ -94,3 +114,6 @@ def test_bench_worker_gpu_runs_without_vllm_and_pydantic() -> None:
     assert out["bytes_as_expected"]
     # Two READ sizes x three paths; two producer sizes; the two digest sizes.
     assert out["rows"] == {"read": 6, "producer": 2, "digest": 2, "completion": 3}
+    # Each ratio's bare launch is timed beside its row: one per READ row, two per
+    # producer row (the hook, the whole step), one per completion row.
+    assert out["bare_launches"] == 6 + 2 * 2 + 3 and out["ratios_have_a_bare"]
