@@ -243,22 +243,23 @@ class RankZeroing:
         packed = b""
         nbytes = 0
         has_tail = False
-        block_tokens = self._block_tokens
-        pack = ITEM_STRUCT.pack
-        for load in record.groups:
-            k, n = divmod(record.num_loaded, block_tokens[load.group])
+        # Per load on the bind path: locals, each field read once.
+        block_tokens, has_tails, pack_facts = self._block_tokens, self._has_tails, self._pack_facts
+        pack, num_loaded = ITEM_STRUCT.pack, record.num_loaded
+        for group, first_block, block_ids in record.groups:
+            k, n = divmod(num_loaded, block_tokens[group])
             if not n:
                 continue
-            idx = k - load.first_block
-            if not 0 <= idx < len(load.block_ids):
+            idx = k - first_block
+            if not 0 <= idx < len(block_ids):
                 continue
-            block = load.block_ids[idx]
+            block = block_ids[idx]
             if block == NULL_BLOCK:
                 continue
-            has_tail = has_tail or self._has_tails[load.group]
-            found = self._pack_facts.get((load.group, n))
+            has_tail = has_tail or has_tails[group]
+            found = pack_facts.get((group, n))
             if found is None:
-                found = self._pack_facts[(load.group, n)] = self._pack_facts_of(load.group, n)
+                found = pack_facts[(group, n)] = self._pack_facts_of(group, n)
             facts, size = found
             if facts is None:
                 return None, 0, self.has_tail(record)

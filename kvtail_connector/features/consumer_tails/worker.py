@@ -38,6 +38,7 @@ from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 
 logger = get_logger(__name__)
+_new = tuple.__new__
 
 
 class Pending(NamedTuple):
@@ -89,8 +90,9 @@ class ConsumerTailsWorker:
             packed, nbytes, has_tail = pack(record)
             if record.vouched or record.expected is not None:
                 packed = None  # more than its tail to do
-            # A new load of a reused id replaces the old one.
-            pending[req_id] = Pending(record, packed, nbytes, has_tail)
+            # A new load of a reused id replaces the old one. tuple.__new__:
+            # the NamedTuple's own __new__ is a Python call per load.
+            pending[req_id] = _new(Pending, (record, packed, nbytes, has_tail))
             if abandoned:
                 abandoned.discard(req_id)
 
