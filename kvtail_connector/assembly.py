@@ -114,6 +114,13 @@ def assemble(
     adapter, inner = _inner(resolved, vllm_config, role, kv_cache_config)
     facts = _engine_facts(vllm_config, kv_cache_config, adapter)
     policy = resolve_policy(cfg, **dataclasses.asdict(facts))
+    # Said at start-up: an auto producer that does not vouch where trust would.
+    trust_would_vouch = (
+        cfg.vouch_tails == "auto"
+        and resolve_policy(
+            cfg.model_copy(update={"vouch_tails": "trust"}), **dataclasses.asdict(facts)
+        ).vouches_for_tails
+    )
     stats = KVTailStats(inner_connector=connector_path(resolved.inner_cls))
     scheduler, worker = _one_side(
         vllm_config, role, kv_cache_config, inner, adapter, policy, stats, entry_key
@@ -128,7 +135,7 @@ def assemble(
         "zeroing tails" if policy.zeroes_tails else "not zeroing tails",
         cfg.probe_stale_tails,
         cfg.vouch_tails,
-        _vouch_summary(policy),
+        _vouch_summary(policy, trust_would_vouch),
         cfg.verify_kv,
         _verify_summary(policy),
     )
@@ -253,7 +260,7 @@ def _one_side(
     return None, worker
 
 
-def _vouch_summary(policy: TailPolicy) -> str:
+def _vouch_summary(policy: TailPolicy, trust_would_vouch: bool) -> str:
     parts = []
     if policy.vouches_for_tails:
         parts.append(f"vouching for prompt tails (zeroed in {policy.producer_hook})")
@@ -263,7 +270,11 @@ def _vouch_summary(policy: TailPolicy) -> str:
         parts.append("trusting bound producer claims on per-layer READ tails only")
     elif policy.checks_claims:
         parts.append("checking producer claims, zeroing every tail")
-    return ", ".join(parts) or "no claims made or trusted"
+    if parts:
+        return ", ".join(parts)
+    if trust_would_vouch:
+        return "not vouching (an auto consumer would not use the claims; trust vouches)"
+    return "no claims made or trusted"
 
 
 def _verify_summary(policy: TailPolicy) -> str:

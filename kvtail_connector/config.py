@@ -74,9 +74,11 @@ class KVTailConfig(BaseModel):
             claim (counted) but still zeroes every async load's tail itself,
             and skips only MoRIIO READ tails zeroed per layer (vLLM 0.32),
             where skipping saves milliseconds per step; a producer vouches
-            only where such a consumer skips on the claim (MoRIIO READ on a
-            vLLM that zeroes READ tails per layer): elsewhere its zeroing
-            would be paid for nothing. ``trust``: a producer whose transfer
+            only where such a consumer may skip on the claim (MoRIIO READ on
+            a vLLM that zeroes READ tails per layer, judged by the producer's
+            own vLLM): elsewhere its zeroing would be paid for nothing, and a
+            plain or non-zeroing consumer gets the producer's tail as it is.
+            ``trust``: a producer whose transfer
             carries its whole blocks (NIXL, MoRIIO READ) zeroes the slots past
             each remote-decode prompt in its last block and adds a ``kvtail``
             entry saying so to the request's ``kv_transfer_params``; a

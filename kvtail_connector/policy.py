@@ -41,7 +41,8 @@ class TailPolicy:
             vouch for it in the request's ``kv_transfer_params``.
         producer_hook: the worker hook that zeroes those tails: the first one
             ordered after the step's last KV write and before the step's
-            output leaves the worker (None when not vouching).
+            output leaves the worker (None when neither vouching nor
+            digesting prompts).
         checks_claims: as a consumer, read producers' claims (counted as
             ``vouches_unused``, ``vouches_declined`` or, where skipped,
             ``vouched_tails``).

@@ -72,8 +72,9 @@ def reference(h: Harness, block_ids: list[int], start: int, end: int, segment: i
 
 @pytest.fixture(scope="module")
 def sent() -> tuple[Harness, dict[str, Any]]:
-    """A producer that digested a 37-token prompt over random KV, and its params."""
-    p = producer()
+    """A producer that digested a 37-token prompt over random KV, and its params
+    (``trust``: it vouches too, so a consumer has a claim beside the digest)."""
+    p = producer(vouch_tails="trust")
     fill(p, seed=1)
     return p, prefill(p)
 
@@ -88,10 +89,21 @@ def test_the_producer_sends_the_sums_of_its_prompt_kv(sent):
     (ids,) = params["remote_block_ids"]
     expected = reference(p, ids, 0, PROMPT, 1024)
     assert dg.sums == {0: {h: tuple(v) for h, v in expected.items()}}
-    # vouch_tails "auto": no claim where an auto consumer zeroes anyway.
-    assert not found.tail_zero
+    assert found.tail_zero  # vouch_tails "trust": P vouches too
     raw = params[entry.KEY]["dg"]["g"]["0"]["0"]
     assert len(raw) == 1 and len(raw[0]) == 16  # hex strings, one segment
+    assert p.stats["digests_sent"] == 1 and p.stats["tails_vouched"] == 1
+
+
+def test_by_default_the_producer_sends_its_digest_without_a_claim():
+    # vouch_tails "auto": no claim where an auto consumer zeroes anyway (not
+    # over this transport); the digest goes all the same.
+    p = producer()
+    fill(p, seed=3)
+    params = prefill(p)
+    found = entry.read(params).entry
+    assert found is not None and found.digest is not None and not found.tail_zero
+    assert "tail" not in params[entry.KEY]
     assert p.stats["digests_sent"] == 1 and p.stats["tails_vouched"] == 0
     assert p.worker.scheduler_state_is_empty()
     assert p.scheduler.connector.scheduler_state_is_empty()

@@ -12,6 +12,7 @@ same ``update_from_output`` call): a vLLM that reorders ``request_finished`` and
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
 def producer(**kw: Any) -> Harness:
-    # Claims alone: the digest (verify_kv, auto by default) has its own tests.
+    # Claims alone: the digest (verify_kv) has its own tests.
     # trust: an auto producer vouches only where an auto consumer skips on the
     # claim (READ tails zeroed per layer), not over this transport.
     kw.setdefault("verify_kv", "off")
@@ -104,11 +105,13 @@ def test_a_remote_decode_prompt_leaves_with_a_claim_after_its_tail_is_zeroed():
     assert h.stats["tail_bytes_zeroed"] == 0
 
 
-def test_by_default_a_producer_over_nixl_makes_no_claim_and_zeroes_nothing():
+def test_by_default_a_producer_over_nixl_makes_no_claim_and_zeroes_nothing(caplog):
     # vouch_tails auto: an auto consumer zeroes every async load's tail itself,
     # so this producer (its transfer carries its whole blocks, as NIXL's does)
-    # would zero for a claim nobody uses: it does neither.
-    h = producer(vouch_tails="auto")
+    # would zero for a claim nobody uses: it does neither, and says so at start-up.
+    with caplog.at_level(logging.INFO):
+        h = producer(vouch_tails="auto")
+    assert "vouch_tails=auto -> not vouching (an auto consumer would not use" in caplog.text
     assert not h.scheduler.connector._policy.vouches_for_tails
     h.add("p1", 37, max_tokens=1, do_remote_decode=True)
     params = step(h)["p1"]
@@ -117,6 +120,14 @@ def test_by_default_a_producer_over_nixl_makes_no_claim_and_zeroes_nothing():
     assert torch.isnan(view).all()  # no slot of any block zeroed
     h.finish()
     assert h.stats["tails_vouched"] == 0 and h.stats["producer_tail_bytes_zeroed"] == 0
+
+
+def test_a_trust_producer_says_it_vouches_at_start_up(caplog):
+    with caplog.at_level(logging.INFO):
+        producer()
+    assert "vouch_tails=trust -> vouching for prompt tails (zeroed in wait_for_save)" in (
+        caplog.text
+    )
 
 
 def test_a_block_aligned_prompt_is_vouched_for_with_nothing_to_zero():

@@ -125,11 +125,25 @@ def test_by_default_a_producer_vouches_only_where_a_consumer_skips_on_the_claim(
     # the producer's zeroing would buy nothing, so it makes no claim...
     assert not _claims(is_producer=True).vouches_for_tails
     assert not _claims(is_producer=True, needs_zeroing=True, sync_read=True).vouches_for_tails
+    # A vLLM that lands READs per layer, but no READ: NIXL's transfer.
+    assert not _claims(is_producer=True, reads_may_land_per_layer=True).vouches_for_tails
+    # kv_both over NIXL: neither vouches nor trusts by default.
+    both = _claims(is_producer=True, is_consumer=True, needs_zeroing=True)
+    assert not (both.vouches_for_tails or both.trusts_some_claim) and both.checks_claims
     # ...but where READ tails are zeroed layer by layer (vLLM 0.32), it does.
     per_layer = _claims(
         is_producer=True, needs_zeroing=True, sync_read=True, reads_may_land_per_layer=True
     )
     assert per_layer.vouches_for_tails and per_layer.producer_hook == "wait_for_save"
+    # There the consumer zeroes READ tails whatever zero_tails says: so P vouches.
+    read_off = _claims(
+        zero_tails="off",
+        is_producer=True,
+        needs_zeroing=True,
+        sync_read=True,
+        reads_may_land_per_layer=True,
+    )
+    assert read_off.vouches_for_tails
     # Where it vouches it is what a consumer with the same settings trusts.
     consumer = _claims(reads_may_land_per_layer=True, **READ)
     assert consumer.trusts_read_claims

@@ -588,6 +588,26 @@ def _counted_nothing(run: Any) -> bool:
 
 
 @pytest.mark.parametrize("vouch_tails", ["auto", "trust"])
+def test_a_read_producer_vouches_by_default_where_reads_land_per_layer(make_run, vouch_tails):
+    # auto: a producer vouches where an auto consumer on the same vLLM may skip
+    # on the claim (READ tails zeroed layer by layer, 0.32); trust: everywhere.
+    from kvtail_connector import _compat
+
+    run = make_run(
+        wrapped=True, kv_cache_config=_mixed(), kv_role="kv_producer", vouch_tails=vouch_tails
+    )
+    connector = run.scheduler.connector
+    assert isinstance(connector, KVTailConnector)
+    per_layer = _compat.moriio_reads_may_land_per_layer()
+    assert connector._policy.vouches_for_tails is (vouch_tails == "trust" or per_layer)
+    consumer = make_run(wrapped=True, kv_cache_config=_mixed(), vouch_tails=vouch_tails)
+    assert isinstance(consumer.scheduler.connector, KVTailConnector)
+    assert consumer.scheduler.connector._policy.trusts_read_claims is (
+        vouch_tails == "trust" or per_layer
+    )
+
+
+@pytest.mark.parametrize("vouch_tails", ["auto", "trust"])
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer (0.32)", "at start"])
 def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails):
     # The producer vouched for its tail (a kvtail entry for this geometry and a
