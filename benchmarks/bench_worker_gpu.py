@@ -72,23 +72,14 @@ def median_us(samples: list[float]) -> float:
 
 def host_time(fn, reps: int, before=None) -> float:
     """Median host µs of ``fn`` with the GPU idle before each call."""
-    out = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return median_us(out)
+    return host_time_vs_bare(fn, None, reps, before)[0]
 
 
 def host_time_vs_bare(fn, bare, reps: int, before=None) -> tuple[float, float]:
-    """Median host µs of ``fn`` and of ``bare`` (one bare launch) timed right
-    after it in the same rep, the GPU idle before each: the host's speed drifts
-    within a run (2x between two rows of the same work on a shared host), and a
-    ratio to a launch timed beside the row does not."""
+    """Median host µs of ``fn`` and of ``bare`` (one bare launch; None: not
+    timed, 0.0) timed right after it in the same rep, the GPU idle before each:
+    the host's speed drifts within a run (2x between two rows of the same work
+    on a shared host), and a ratio to a launch timed beside the row does not."""
     out, base = [], []
     for _ in range(reps):
         if before is not None:
@@ -97,12 +88,13 @@ def host_time_vs_bare(fn, bare, reps: int, before=None) -> tuple[float, float]:
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        bare()
-        base.append(time.perf_counter() - t0)
+        if bare is not None:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            bare()
+            base.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return median_us(out), median_us(base)
+    return median_us(out), median_us(base) if base else 0.0
 
 
 def build_worker(
