@@ -203,10 +203,13 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._inner.wait_for_layer_load(layer_name)
         if self._worker is not None and self._sync_read:
+            worker = self._worker
             try:
-                self._worker.layer_loaded(layer_name)
+                worker.layer_loaded(layer_name)
             except Exception as exc:
-                self._guard.failed(exc, "wait_for_layer_load (READ tails)")
+                self._guard.failed(
+                    exc, "wait_for_layer_load (READ tails)", (), worker.contain_layer_loaded
+                )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

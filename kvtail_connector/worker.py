@@ -415,6 +415,11 @@ class TailWorker:
         if self._reads is not None:
             self._reads.contain_started(records, landed)
 
+    def contain_layer_loaded(self) -> None:
+        """``layer_loaded`` failed (see ``ReadTailsWorker.contain_layer_loaded``)."""
+        if self._reads is not None:
+            self._reads.contain_layer_loaded()
+
     def contain_end_step(self) -> None:
         """``end_step`` failed (see ``ReadTailsWorker.contain_end_step``)."""
         if self._reads is not None:

@@ -45,7 +45,12 @@ from tests.scheduler.test_kv_digest import (  # noqa: F401  (sent: a fixture)
     transfer,
 )
 from tests.scheduler.test_read_tails import LAYERS as READ_LAYERS
-from tests.scheduler.test_read_tails import setup  # noqa: F401  (a fixture)
+from tests.scheduler.test_read_tails import (
+    TAILS,
+    _expected,
+    _land_read,
+    setup,  # noqa: F401  (a fixture)
+)
 
 
 def _guard(worker: Any) -> Containment:
@@ -93,9 +98,15 @@ def test_a_failed_read_staging_leaves_nothing_for_the_next_step(setup, monkeypat
         assert not s.caches.views[name][7, :, 2:].any(), name
 
 
-def test_a_failed_end_step_leaves_no_layer_work_behind(setup, monkeypatch):  # noqa: F811
+def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
+    setup,  # noqa: F811
+    monkeypatch,
+):
     s = setup
     s.worker.reads_started(landed=False)
+    for i, name in enumerate(READ_LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    before = s.caches.raw[0].clone()
     s.worker.layer_loaded(READ_LAYERS[0])  # the other layers' waits never ran
     _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
     try:
@@ -104,9 +115,49 @@ def test_a_failed_end_step_leaves_no_layer_work_behind(setup, monkeypatch):  # n
         _guard(s.worker).failed(exc, "clear_connector_metadata", (), s.worker.contain_end_step)
     assert s.stats.data["internal_errors"] == 1
     assert s.worker.num_tracked == 0
+    # The layers end_step had left to zero are zeroed on the reference path,
+    # as end_step would have; each layer's bytes counted once.
+    assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
+    slot_bytes = sum(_slot_bytes(s.caches.views[name]) for name in READ_LAYERS)
+    assert s.stats.data["tail_bytes_zeroed"] == sum(16 - f for _, f in TAILS) * slot_bytes
     _decode_then_next_read(s)
     for name in READ_LAYERS:
         assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
+
+
+@pytest.mark.parametrize("fails", ["zero", "nbytes"], ids=["before-launch", "after-launch"])
+def test_a_layer_whose_read_tail_zeroing_fails_is_zeroed_on_the_reference_path(
+    setup,  # noqa: F811
+    monkeypatch,
+    fails,
+):
+    # The facade's wait_for_layer_load: layer_loaded, and its fallback on failure.
+    s = setup
+    by_layer = s.worker._reads._by_layer
+    s.worker.reads_started(landed=False)
+    for i, name in enumerate(READ_LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    before = s.caches.raw[0].clone()
+    _inject_once(monkeypatch, by_layer, fails)
+    try:
+        s.worker.layer_loaded(READ_LAYERS[0])
+    except Exception as exc:
+        _guard(s.worker).failed(
+            exc, "wait_for_layer_load (READ tails)", (), s.worker.contain_layer_loaded
+        )
+    assert s.stats.data["internal_errors"] == 1
+    # Exactly the failed layer's tails zeroed, before its attention; the other
+    # layer still waits for its own READs.
+    assert torch.equal(s.caches.raw[0], _expected(s, [READ_LAYERS[0]], before))
+    for name in READ_LAYERS[1:]:
+        s.worker.layer_loaded(name)
+    s.worker.end_step()
+    assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
+    assert s.worker.num_tracked == 0
+    # Its bytes are counted once, with the other layer's.
+    slot_bytes = {name: _slot_bytes(s.caches.views[name]) for name in READ_LAYERS}
+    stale = sum(16 - first for _, first in TAILS)
+    assert s.stats.data["tail_bytes_zeroed"] == stale * sum(slot_bytes.values())
 
 
 def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):

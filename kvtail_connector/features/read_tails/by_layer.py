@@ -226,6 +226,11 @@ class ReadTailsByLayer:
             work.armed.staged.launch(work.k, record_event=last)
         self._unrecorded = not last
 
+    def zeroed_apart(self) -> None:
+        """Zeroing ran on the stream outside :meth:`zero` (a contained failure's
+        reference path): :meth:`record_done` records an event behind it."""
+        self._unrecorded = True
+
     def record_done(self) -> None:
         """Make :attr:`last_launch_done` cover every launch so far."""
         if self._unrecorded:

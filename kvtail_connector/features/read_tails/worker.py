@@ -55,6 +55,10 @@ class ReadTailsWorker:
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         self._layer_bytes = 0  # launched layer by layer, counted once the layers are done
         self._layers_launched = False  # this step: by_layer's event is the latest zeroing
+        # Layers' work taken from by_layer and not yet zeroed (the one being
+        # zeroed, and at end_step those after it): a contained failure zeroes
+        # them on the reference path, since nothing else holds them any more.
+        self._taken: list[LayerWork] = []
 
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
@@ -134,7 +138,9 @@ class ReadTailsWorker:
             return
         work = by_layer.take(layer_name)
         if work is not None:
+            self._taken = [work]
             self._zero_layer(by_layer, work)
+            self._taken = []
 
     def end_step(self) -> None:
         """After the forward: layers whose ``wait_for_layer_load`` never ran
@@ -145,11 +151,12 @@ class ReadTailsWorker:
         by_layer = self._by_layer
         if by_layer is None:
             return
-        left = by_layer.take_all()
+        self._taken = left = by_layer.take_all()
         if left:
             logger.debug("kvtail: READ tails of %d layer(s) zeroed after the forward", len(left))
-        for work in left:
-            self._zero_layer(by_layer, work)
+        while left:
+            self._zero_layer(by_layer, left[0])
+            del left[0]
         by_layer.record_done()
         self._flush_layers(by_layer)
 
@@ -217,23 +224,64 @@ class ReadTailsWorker:
                     pages_per_block=cache_set.pages_per_block,
                 )
 
+    def contain_layer_loaded(self) -> None:
+        """``layer_loaded`` failed: zero the tails of the layer it was zeroing
+        on the reference path (slow, exact, independent of the zeroer's
+        kernels and work lines), now, on the current stream: still before
+        that layer's attention. Its event is recorded at ``end_step``."""
+        taken, self._taken = self._taken, []
+        by_layer = self._by_layer
+        if by_layer is not None:
+            self._zero_on_reference(by_layer, taken)
+
     def contain_end_step(self) -> None:
-        """``end_step`` failed: drop the per-layer READ work left (never zeroed
-        in a later step, over KV written since); the ERROR names its requests."""
+        """``end_step`` failed: zero the per-layer READ work left on the
+        reference path, as ``end_step`` would have (after the forward), and
+        count what was zeroed; nothing is left for a later step to zero over
+        KV written since."""
+        taken, self._taken = self._taken, []
         by_layer = self._by_layer
         self._layer_probe = {}
-        self._layers_launched = False
         if by_layer is None:
+            self._layers_launched = False
             return
-        if self._layer_bytes:  # launched before the failure
-            self._rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
-            self._layer_bytes = 0
-        left = by_layer.owners_pending()
-        by_layer.reset()
-        if left:
-            logger.error(
-                "KVTailConnector: READ tails of %s not zeroed (after the forward)",
-                ", ".join(sorted(left)),
+        works, done = taken, False
+        try:
+            works = taken + by_layer.take_all()
+            self._zero_on_reference(by_layer, works)
+            by_layer.record_done()
+            self._flush_layers(by_layer)
+            done = True
+        finally:
+            # Should this fail too (the guard logs it): no work left behind.
+            by_layer.reset()
+            self._layers_launched = False
+            if self._layer_bytes:  # launched before the failure
+                self._rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
+                self._layer_bytes = 0
+            if not done and works:
+                logger.error(
+                    "KVTailConnector: READ tails of %s may be left stale (after the forward)",
+                    ", ".join(sorted({o for w in works for o in w.armed.owners})),
+                )
+
+    def _zero_on_reference(self, by_layer: ReadTailsByLayer, works: list[LayerWork]) -> None:
+        """Zero ``works`` on the reference path, on the current stream (an event
+        recorded by ``by_layer.record_done`` covers it); bytes counted."""
+        for work in works:
+            layer = by_layer.layer_sets[work.group]
+            reference_zero_kv_blocks(
+                layer.caches,
+                tails=list(work.armed.blocks_firsts),
+                pages_per_block=layer.pages_per_block,
+            )
+            by_layer.zeroed_apart()
+            self._layers_launched = True
+            self._layer_bytes += by_layer.nbytes(work)
+            logger.warning(
+                "KVTailConnector: READ tails of %s in %s zeroed on the reference path",
+                ", ".join(sorted(set(work.armed.owners))),
+                layer.layer_names[0],
             )
 
     def held(self) -> set[str]:
