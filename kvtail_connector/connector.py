@@ -313,7 +313,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._inner.bind_gpu_block_pool(gpu_block_pool)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return self._inner.get_loaded_kv_cache_group_ids(request)
+        groups = self._inner.get_loaded_kv_cache_group_ids(request)
+        scheduler = self._scheduler
+        if scheduler is not None:
+            # vLLM asks this right before it allocates an async load's blocks
+            # (the groups it then keeps from zeroing); the allocation hook
+            # that follows uses the same answer instead of asking again.
+            scheduler.asked_loaded = (request, groups)
+        return groups
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

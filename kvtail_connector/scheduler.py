@@ -107,6 +107,9 @@ class TailScheduler:
         self._errors = LoadErrorsScheduler(stats)
         self._tails = ConsumerTailsScheduler()
         self._allocations = self._tails.allocations
+        # (request, its get_loaded_kv_cache_group_ids) as vLLM last asked it
+        # (set by the facade): the groups vLLM exempted from zeroing.
+        self.asked_loaded: tuple[Any, Any] | None = None
         producer = policy.vouches_for_tails or policy.digests_prompts
         self._writer = (
             EntryWriter(geometry, binding_nodes=nodes, key=key, stats=stats) if producer else None
@@ -224,8 +227,14 @@ class TailScheduler:
         if start is not None:
             local, load_async = start
             if load_async:
-                # The inner connector is asked here, in its own hook's time.
-                groups = self._records.loaded_groups(request)
+                # What vLLM asked right before this allocation, where it did
+                # (0.32, 0.33); otherwise the inner connector is asked here.
+                asked = self.asked_loaded
+                if asked is not None and asked[0] is request:
+                    groups = asked[1]
+                    self.asked_loaded = None
+                else:
+                    groups = self._records.loaded_groups(request)
                 loaded = local + num_external_tokens
                 # Every id now (vLLM's blocks are in cache, and the record
                 # then depends on nothing vLLM may change); the record later.

@@ -65,6 +65,29 @@ def test_tail_shipped_once_and_zeroed_at_completion():
     assert h.stats["tail_bytes_zeroed"] == 10 * 2 * slot_bytes  # 10 slots x 2 layers
 
 
+def test_the_record_covers_the_groups_vllm_kept_from_zeroing(monkeypatch):
+    # vLLM asks get_loaded_kv_cache_group_ids right before it allocates an async
+    # load's blocks (the groups it exempts from zeroing); the record uses that
+    # answer, and the inner connector is not asked again.
+    h = Harness()
+    inner = h.inner_scheduler
+    original = inner.get_loaded_kv_cache_group_ids
+    asked: list[str] = []
+
+    def answer(request):
+        asked.append(request.request_id)
+        return original(request) if len(asked) == 1 else ()  # a second answer would differ
+
+    monkeypatch.setattr(inner, "get_loaded_kv_cache_group_ids", answer)
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()
+    (record,) = h.records()
+    assert [g.group for g in record.groups] == [0]
+    assert asked == ["r1"]
+    h.finish()
+    assert h.stats["tails_zeroed"] == 1
+
+
 def test_block_aligned_load_zeroes_nothing():
     h = Harness()
     h.add("r1", 100, double_load_tokens=64)
