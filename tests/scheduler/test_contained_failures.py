@@ -98,17 +98,53 @@ def test_a_failed_read_staging_leaves_nothing_for_the_next_step(setup, monkeypat
         assert not s.caches.views[name][7, :, 2:].any(), name
 
 
+def _inject_nth(patch: pytest.MonkeyPatch, obj: Any, name: str, n: int) -> None:
+    """``obj.name`` raises at its ``n``-th call (1-based), works otherwise."""
+    original = getattr(obj, name)
+    calls = []
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == n:
+            raise Injected("injected")
+        return original(*args, **kwargs)
+
+    patch.setattr(obj, name, faulty)
+
+
+def _tail_bytes(s: Any) -> int:
+    """What zeroing READS' tails in every layer counts."""
+    slot_bytes = sum(_slot_bytes(s.caches.views[name]) for name in READ_LAYERS)
+    return sum(16 - first for _, first in TAILS) * slot_bytes
+
+
+def _land_all(s: Any) -> torch.Tensor:
+    for i, name in enumerate(READ_LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    return s.caches.raw[0].clone()
+
+
+def _layer_loaded_contained(worker: Any, name: str) -> None:
+    """The facade's wait_for_layer_load: layer_loaded, its fallback on failure."""
+    try:
+        worker.layer_loaded(name)
+    except Exception as exc:
+        _guard(worker).failed(
+            exc, "wait_for_layer_load (READ tails)", (), worker.contain_layer_loaded
+        )
+
+
+@pytest.mark.parametrize("failing", [1, 2], ids=["first-layer-left", "second-layer-left"])
 def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
     setup,  # noqa: F811
     monkeypatch,
+    failing,
 ):
     s = setup
     s.worker.reads_started(landed=False)
-    for i, name in enumerate(READ_LAYERS):
-        _land_read(s.caches.views[name], seed=i)
-    before = s.caches.raw[0].clone()
+    before = _land_all(s)
     s.worker.layer_loaded(READ_LAYERS[0])  # the other layers' waits never ran
-    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
+    _inject_nth(monkeypatch, s.worker._reads._by_layer, "zero", failing)
     try:
         s.worker.end_step()
     except Exception as exc:
@@ -118,46 +154,74 @@ def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
     # The layers end_step had left to zero are zeroed on the reference path,
     # as end_step would have; each layer's bytes counted once.
     assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
-    slot_bytes = sum(_slot_bytes(s.caches.views[name]) for name in READ_LAYERS)
-    assert s.stats.data["tail_bytes_zeroed"] == sum(16 - f for _, f in TAILS) * slot_bytes
+    assert s.stats.data["tail_bytes_zeroed"] == _tail_bytes(s)
     _decode_then_next_read(s)
     for name in READ_LAYERS:
         assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
 
 
-@pytest.mark.parametrize("fails", ["zero", "nbytes"], ids=["before-launch", "after-launch"])
-def test_a_layer_whose_read_tail_zeroing_fails_is_zeroed_on_the_reference_path(
+def test_a_layer_whose_read_tail_launch_fails_is_zeroed_on_the_reference_path(
     setup,  # noqa: F811
     monkeypatch,
-    fails,
 ):
-    # The facade's wait_for_layer_load: layer_loaded, and its fallback on failure.
     s = setup
-    by_layer = s.worker._reads._by_layer
     s.worker.reads_started(landed=False)
-    for i, name in enumerate(READ_LAYERS):
-        _land_read(s.caches.views[name], seed=i)
-    before = s.caches.raw[0].clone()
-    _inject_once(monkeypatch, by_layer, fails)
-    try:
-        s.worker.layer_loaded(READ_LAYERS[0])
-    except Exception as exc:
-        _guard(s.worker).failed(
-            exc, "wait_for_layer_load (READ tails)", (), s.worker.contain_layer_loaded
-        )
+    before = _land_all(s)
+    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
+    _layer_loaded_contained(s.worker, READ_LAYERS[0])
     assert s.stats.data["internal_errors"] == 1
     # Exactly the failed layer's tails zeroed, before its attention; the other
-    # layer still waits for its own READs.
+    # layers still wait for their own READs.
     assert torch.equal(s.caches.raw[0], _expected(s, [READ_LAYERS[0]], before))
     for name in READ_LAYERS[1:]:
         s.worker.layer_loaded(name)
     s.worker.end_step()
     assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
     assert s.worker.num_tracked == 0
-    # Its bytes are counted once, with the other layer's.
-    slot_bytes = {name: _slot_bytes(s.caches.views[name]) for name in READ_LAYERS}
-    stale = sum(16 - first for _, first in TAILS)
-    assert s.stats.data["tail_bytes_zeroed"] == stale * sum(slot_bytes.values())
+    assert s.stats.data["tail_bytes_zeroed"] == _tail_bytes(s)  # each layer once
+
+
+def test_a_failure_after_a_layers_launch_neither_zeroes_nor_counts_it_again(
+    setup,  # noqa: F811
+    monkeypatch,
+):
+    s = setup
+    reads = s.worker._reads
+    s.worker.reads_started(landed=False)
+    before = _land_all(s)
+    for name in READ_LAYERS[:-1]:
+        s.worker.layer_loaded(name)
+    # The last layer's launch returns, then its flush (counts, events) fails.
+    _inject_once(monkeypatch, reads, "_flush_layers")
+    zeroed_apart = []
+    monkeypatch.setattr(reads._by_layer, "zeroed_apart", lambda: zeroed_apart.append(1))
+    _layer_loaded_contained(s.worker, READ_LAYERS[-1])
+    assert s.stats.data["internal_errors"] == 1
+    assert not zeroed_apart  # nothing went the reference path: it was launched
+    s.worker.end_step()
+    assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
+    assert s.stats.data["tail_bytes_zeroed"] == _tail_bytes(s)
+    assert s.worker.num_tracked == 0
+
+
+def test_the_facade_runs_the_layer_fallback(setup, monkeypatch):  # noqa: F811
+    from types import SimpleNamespace
+
+    from kvtail_connector.connector import KVTailConnector
+
+    s = setup
+    # The facade's wait_for_layer_load around this worker (its other parts unused).
+    facade = KVTailConnector.__new__(KVTailConnector)
+    facade._inner = SimpleNamespace(wait_for_layer_load=lambda name: None)
+    facade._worker = s.worker
+    facade._sync_read = True
+    facade._guard = _guard(s.worker)
+    s.worker.reads_started(landed=False)
+    before = _land_all(s)
+    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
+    facade.wait_for_layer_load(READ_LAYERS[0])
+    assert s.stats.data["internal_errors"] == 1
+    assert torch.equal(s.caches.raw[0], _expected(s, [READ_LAYERS[0]], before))
 
 
 def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):

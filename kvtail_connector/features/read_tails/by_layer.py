@@ -197,12 +197,15 @@ class ReadTailsByLayer:
         return None if place is None else LayerWork(self._batch(place[0]), *place[1:])
 
     def take(self, layer_name: str) -> LayerWork | None:
-        """The work of ``layer_name`` (None if it has none), removed."""
-        place = self._work.pop(layer_name, None)
+        """The work of ``layer_name`` (None if it has none), removed: only once
+        built (should that raise, the work stays pending for the step's end)."""
+        place = self._work.get(layer_name)
         if place is None:
             return None
         s, k, child = place
-        return LayerWork(self._batch(s), k, child)
+        work = LayerWork(self._batch(s), k, child)
+        del self._work[layer_name]
+        return work
 
     def take_all(self) -> list[LayerWork]:
         """Every layer's remaining work, removed."""

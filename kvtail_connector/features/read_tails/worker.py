@@ -55,19 +55,23 @@ class ReadTailsWorker:
         self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
         self._layer_bytes = 0  # launched layer by layer, counted once the layers are done
         self._layers_launched = False  # this step: by_layer's event is the latest zeroing
-        # Layers' work taken from by_layer and not yet zeroed (the one being
+        # Layers' work taken from by_layer and not yet launched (the one being
         # zeroed, and at end_step those after it): a contained failure zeroes
         # them on the reference path, since nothing else holds them any more.
+        # Its first item leaves it as soon as its launch returned.
         self._taken: list[LayerWork] = []
+        self._warned_reference = False
 
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
+        self._taken = []
         if self._wants_by_layer:
             self._by_layer = ReadTailsByLayer(sets)
             self._by_layer.zeroer.warmup()
 
     def release(self) -> None:
         self._released, self._by_layer = self._by_layer, None
+        self._taken = []
 
     def restore(self) -> None:
         self._by_layer, self._released = self._released, None
@@ -136,11 +140,12 @@ class ReadTailsWorker:
         by_layer = self._by_layer
         if by_layer is None or not by_layer.pending:
             return
+        taken: list[LayerWork] = []
+        self._taken = taken  # nothing of an earlier call's, whatever it raised
         work = by_layer.take(layer_name)
         if work is not None:
-            self._taken = [work]
+            taken.append(work)
             self._zero_layer(by_layer, work)
-            self._taken = []
 
     def end_step(self) -> None:
         """After the forward: layers whose ``wait_for_layer_load`` never ran
@@ -155,12 +160,13 @@ class ReadTailsWorker:
         if left:
             logger.debug("kvtail: READ tails of %d layer(s) zeroed after the forward", len(left))
         while left:
-            self._zero_layer(by_layer, left[0])
-            del left[0]
+            self._zero_layer(by_layer, left[0])  # takes it out of left once launched
         by_layer.record_done()
         self._flush_layers(by_layer)
 
     def _zero_layer(self, by_layer: ReadTailsByLayer, work: LayerWork) -> None:
+        """Zero ``work``, which is ``self._taken[0]``: out of it once launched
+        (a failure after the launch must not zero and count it again)."""
         rank = self._rank
         if rank.probe:
             found = probe_items(
@@ -172,9 +178,11 @@ class ReadTailsWorker:
                 counts = self._layer_probe.setdefault(req_id, [0, 0])
                 counts[0] += nonzero
                 counts[1] += nonfinite
+        nbytes = by_layer.nbytes(work)
         by_layer.zero(work)
+        del self._taken[0]
         self._layers_launched = True
-        self._layer_bytes += by_layer.nbytes(work)  # launched
+        self._layer_bytes += nbytes  # launched
         if not by_layer.pending:
             # Every layer is done (its launch recorded the event): one count,
             # and one probe report per request, as for other tails.
@@ -231,8 +239,17 @@ class ReadTailsWorker:
         that layer's attention. Its event is recorded at ``end_step``."""
         taken, self._taken = self._taken, []
         by_layer = self._by_layer
-        if by_layer is not None:
+        if by_layer is None or not taken:
+            return
+        try:
             self._zero_on_reference(by_layer, taken)
+        except Exception:
+            logger.error(
+                "KVTailConnector: READ tails of %s may be left stale (%s)",
+                ", ".join(sorted({o for w in taken for o in w.armed.owners})),
+                by_layer.layer_sets[taken[0].group].layer_names[0],
+            )
+            raise
 
     def contain_end_step(self) -> None:
         """``end_step`` failed: zero the per-layer READ work left on the
@@ -278,7 +295,10 @@ class ReadTailsWorker:
             by_layer.zeroed_apart()
             self._layers_launched = True
             self._layer_bytes += by_layer.nbytes(work)
-            logger.warning(
+            # Once at WARNING: a failure that repeats repeats every layer, every step.
+            log = logger.debug if self._warned_reference else logger.warning
+            self._warned_reference = True
+            log(
                 "KVTailConnector: READ tails of %s in %s zeroed on the reference path",
                 ", ".join(sorted(set(work.armed.owners))),
                 layer.layer_names[0],
