@@ -368,6 +368,9 @@ class TailScheduler:
         the very dict vLLM puts into the request's output."""
         req_id = request.request_id
         self._matched.pop(req_id, None)
+        asked = self.asked_loaded
+        if asked is not None and asked[0] is request:
+            self.asked_loaded = None  # asked for an allocation that never came
         if self._reader is not None:
             self._reader.forget(req_id)
         if self._vouching is not None:
@@ -470,6 +473,9 @@ class TailScheduler:
     def forget(self, req_id: str) -> None:
         """``on_new_request`` or ``request_finished`` failed: no claim for it."""
         self._starts.pop(req_id)
+        asked = self.asked_loaded
+        if asked is not None and asked[0].request_id == req_id:
+            self.asked_loaded = None
         if self._reader is not None:
             self._reader.forget(req_id)
         if self._vouching is not None:

@@ -190,7 +190,8 @@ class InnerFault(RuntimeError):
     [
         ("worker", "get_transfer_results"),  # called by the facade
         ("worker", "get_block_ids_with_load_errors"),  # called from the wrapper's ledger
-        ("scheduler", "get_loaded_kv_cache_group_ids"),  # called at update_state_after_alloc
+        # called by vLLM before an allocation (the wrapper keeps its answer)
+        ("scheduler", "get_loaded_kv_cache_group_ids"),
         ("scheduler", "update_state_after_alloc"),
         ("scheduler", "build_connector_meta"),
     ],

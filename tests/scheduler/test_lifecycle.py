@@ -88,6 +88,18 @@ def test_the_record_covers_the_groups_vllm_kept_from_zeroing(monkeypatch):
     assert h.stats["tails_zeroed"] == 1
 
 
+def test_an_answer_kept_for_an_allocation_that_never_came_goes_with_the_request():
+    h = Harness()
+    request = h.add("r1", 100, double_load_tokens=70)
+    connector = h.scheduler.connector
+    # vLLM asked before an allocation that failed (no blocks); then the
+    # request is aborted: nothing keeps it alive.
+    connector.get_loaded_kv_cache_group_ids(request)
+    assert connector._scheduler.asked_loaded[0] is request
+    h.scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert connector._scheduler.asked_loaded is None
+
+
 def test_block_aligned_load_zeroes_nothing():
     h = Harness()
     h.add("r1", 100, double_load_tokens=64)
