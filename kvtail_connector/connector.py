@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvtail_connector.scheduler import TailScheduler
+
 
 class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     """Wraps the connector named in ``kv_connector_extra_config.backend``.
@@ -325,10 +327,9 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None, "scheduler-side hook"
         count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         try:
-            self._scheduler.matched(request, num_computed_tokens, count, load_async)
+            self._scheduler.matched(request, num_computed_tokens, count, load_async)  # type: ignore[union-attr]
         except Exception as exc:
             self._guard.failed(exc, "get_num_new_matched_tokens", (request.request_id,))
         return count, load_async
@@ -337,27 +338,24 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        scheduler = self._scheduler
-        assert scheduler is not None, "scheduler-side hook"
-        read = True
-        try:
-            # Before the inner update, which may rewrite what the entry's
-            # binding covers (NIXL push seeds remote_block_ids there). Nothing
-            # to read without external tokens (vLLM's second call, once a
-            # load is done).
-            if num_external_tokens > 0:
-                scheduler.read_entry(request, num_external_tokens)
-        except Exception as exc:
-            read = False
-            self._guard.failed(
-                exc,
-                "update_state_after_alloc",
-                (request.request_id,),
-                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
-            )
+        # Called twice per load (the second time with nothing loaded), inside
+        # vLLM's per-request loop: kept short (each line runs cold there).
+        scheduler: TailScheduler = self._scheduler  # type: ignore[assignment]
+        if num_external_tokens > 0 and scheduler.reads_entries:
+            try:
+                # Before the inner update, which may rewrite what the entry's
+                # binding covers (NIXL push seeds remote_block_ids there).
+                scheduler.read_entry(request)
+            except Exception as exc:
+                self._guard.failed(
+                    exc,
+                    "update_state_after_alloc",
+                    (request.request_id,),
+                    lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
+                )
+                self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+                return
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
-        if not read:
-            return
         try:
             scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:
@@ -432,7 +430,12 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         result = self._inner.request_finished(request, block_ids)
-        self._request_finished(request, result[1])
+        scheduler = self._scheduler
+        if scheduler is not None:
+            try:
+                scheduler.request_finished(request, result[1])
+            except Exception as exc:
+                self._finish_failed(exc, request)
         return result
 
     def request_finished_all_groups(
@@ -443,22 +446,23 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             assert len(block_ids) == 1, "a non-HMA inner connector runs with one KV cache group"
             result = self._inner.request_finished(request, block_ids[0])
-        self._request_finished(request, result[1])
+        scheduler = self._scheduler
+        if scheduler is not None:
+            try:
+                scheduler.request_finished(request, result[1])
+            except Exception as exc:
+                self._finish_failed(exc, request)
         return result
 
-    def _request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
+    def _finish_failed(self, exc: Exception, request: Any) -> None:
         scheduler = self._scheduler
-        if scheduler is None:
-            return
-        try:
-            scheduler.request_finished(request, params)
-        except Exception as exc:
-            self._guard.failed(
-                exc,
-                "request_finished",
-                (request.request_id,),
-                lambda: scheduler.forget(request.request_id),
-            )
+        assert scheduler is not None
+        self._guard.failed(
+            exc,
+            "request_finished",
+            (request.request_id,),
+            lambda: scheduler.forget(request.request_id),
+        )
 
     def register_finished_partial_tail(
         self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from collections.abc import Sized
 
-Start = tuple[int, bool]  # (local computed tokens, the load is async)
+# (local computed tokens, the load is async: the inner connector's value as
+# given, read for its truth)
+Start = tuple[int, bool]
 
 
 class LoadStarts:

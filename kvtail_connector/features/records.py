@@ -5,7 +5,6 @@ parts that ship records to the workers)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from operator import attrgetter
 from typing import Any
 
 from kvtail_connector import _compat
@@ -67,10 +66,6 @@ def null_as_ours(ids: tuple[int, ...]) -> tuple[int, ...]:
     return ids
 
 
-# C-level: no Python frame per block id.
-_BLOCK_ID = attrgetter("block_id")
-
-
 class LoadRecords:
     """Builds the records of loads.
 
@@ -112,11 +107,14 @@ class LoadRecords:
         left in, for the reader to skip. Only these blocks' ids are read."""
         # Called where vLLM has just allocated the blocks (their objects are
         # in cache); what is built from the ids waits for the metadata.
+        # A list comprehension, not map(attrgetter) nor a generator: 3.11
+        # specializes its attribute load (5 blocks: 0.40 -> 0.29 µs on CPU).
         sizes, per_group = self._sizes, blocks.blocks
         written = []
         for gid in loaded_groups:
             eb = sizes[gid]
-            written.append(tuple(map(_BLOCK_ID, per_group[gid][local // eb : -(-loaded // eb)])))
+            blocks_written = per_group[gid][local // eb : -(-loaded // eb)]
+            written.append(tuple([b.block_id for b in blocks_written]))
         return tuple(written)
 
     def from_written(
@@ -134,17 +132,23 @@ class LoadRecords:
         when block-aligned (nothing to zero or watch), unless ``keep`` (a
         load to verify) or every load is recorded (not with ``tails_only``)."""
         # Once per load, the step's loads in one pass: no helper calls, tuples
-        # built in C (tuple.__new__ skips the NamedTuple's Python __new__).
-        tail_sizes, new = self._tail_sizes, tuple.__new__
+        # built in C (tuple.__new__ skips the NamedTuple's Python __new__);
+        # no zip(strict=True) either (0.23 µs a call; ``written`` is built
+        # from ``loaded_groups``, one entry each).
+        tail_sizes, new, null = self._tail_sizes, tuple.__new__, _compat.NULL_BLOCK_ID
         entries = []
         any_tail = False
-        for gid, ids in zip(loaded_groups, written, strict=True):
+        k = 0
+        for gid in loaded_groups:
             eb = tail_sizes[gid]
-            if eb is None:
-                continue
-            if loaded % eb:
-                any_tail = True
-            entries.append(new(GroupLoad, (gid, local // eb, null_as_ours(ids))))
+            if eb is not None:
+                if loaded % eb:
+                    any_tail = True
+                ids = written[k]
+                if null in ids:
+                    ids = null_as_ours(ids)
+                entries.append(new(GroupLoad, (gid, local // eb, ids)))
+            k += 1  # noqa: SIM113 (enumerate: 40 ns more a load)
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale, nothing to watch
         return new(LoadRecord, (req_id, local, loaded, tuple(entries), False, None, ()))

@@ -420,7 +420,9 @@ def test_an_uncontained_record_error_leaves_the_rest_for_contain_meta(monkeypatc
         h.add(req_id, 100, double_load_tokens=70, double_finish_after_steps=2)
     with pytest.raises(_InnerFault):
         h.step()
-    assert [a.request.request_id for a in ts._tails.allocations] == ["r2"]
+    assert [a[0].request_id for a in ts._tails.allocations] == ["r2"]
+    # An allocation not yet recorded is held (the gauge reads it there too).
+    assert ts._tails.held() == {"r2"} and ts.held_requests() == 2
     assert ts._errors.failing == ["r1"]
     assert ts._errors._in_flight["r1"] == (tuple(h.inner_scheduler.blocks_by_req["r1"][0][:5]),)
     failing = ts.contain_meta(None).failing

@@ -20,23 +20,31 @@ in ``update_from_output``, a schedule before the metadata).
 from __future__ import annotations
 
 from collections.abc import Sized
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
 
-
-class Allocation(NamedTuple):
-    """An async load's ``update_state_after_alloc``, until the metadata: all
-    that its record needs, read from vLLM at the allocation."""
-
-    request: Any
-    local: int  # tokens computed locally before the load
-    loaded: int  # tokens computed once it lands
-    loaded_groups: Any  # the inner connector's get_loaded_kv_cache_group_ids
-    written: tuple[tuple[int, ...], ...]  # per loaded group, the ids of the blocks written
-    states: tuple[GroupLoad, ...]  # the state blocks it writes, where verified with states
-    claim: int | None  # the producer's zero-tail claim, if read
-    expected: ExpectedDigest | None  # the digest to verify, if read
+# An async load's ``update_state_after_alloc``, until the metadata: all that
+# its record needs, read from vLLM at the allocation. A plain tuple (one per
+# load, built on vLLM's per-request path), in this order:
+#   request        vLLM's Request
+#   local          tokens computed locally before the load
+#   loaded         tokens computed once it lands
+#   loaded_groups  the inner connector's get_loaded_kv_cache_group_ids
+#   written        per loaded group, the ids of the blocks written
+#   states         the state blocks it writes, where verified with states
+#   claim          the producer's zero-tail claim, if read
+#   expected       the digest to verify, if read
+Allocation = tuple[
+    Any,
+    int,
+    int,
+    Any,
+    tuple[tuple[int, ...], ...],
+    tuple[GroupLoad, ...],
+    "int | None",
+    "ExpectedDigest | None",
+]
 
 
 class ConsumerTailsScheduler:
@@ -73,7 +81,7 @@ class ConsumerTailsScheduler:
     def held(self) -> set[str]:
         held = {r.req_id for r in self._pending}
         if self.allocations:
-            held.update(a.request.request_id for a in self.allocations)
+            held.update(a[0].request_id for a in self.allocations)
         return held
 
     @property
