@@ -428,7 +428,7 @@ def _bench_load_length(wrapper: Any, bare: Any) -> dict[str, Any]:
             req = SimpleNamespace(request_id=f"L{tokens}_{i}", kv_transfer_params={})
             for name, conn in (("wrapper", wrapper), ("bare", bare))[:: 1 if i % 2 else -1]:
                 if name == "wrapper":
-                    ts.matched(req, 0, tokens, True)
+                    ts.load_starts[req.request_id] = (0, True)  # the match
                 t0 = pc()
                 conn.update_state_after_alloc(req, blocks, tokens)
                 if name == "wrapper":

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtail_connector import _compat
+from kvtail_connector import _compat, entry
 from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
@@ -328,10 +328,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        try:
-            self._scheduler.matched(request, num_computed_tokens, count, load_async)  # type: ignore[union-attr]
-        except Exception as exc:
-            self._guard.failed(exc, "get_num_new_matched_tokens", (request.request_id,))
+        # The load's start (LoadStarts), kept to its allocation: stored in
+        # place, no call (this runs once per waiting request, cold).
+        starts = self._scheduler.load_starts  # type: ignore[union-attr]
+        if count:
+            # load_async as given: read for its truth.
+            starts[request.request_id] = (num_computed_tokens, load_async)
+        else:
+            starts.pop(request.request_id, None)
         return count, load_async
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
@@ -341,7 +345,15 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # Called twice per load (the second time with nothing loaded), inside
         # vLLM's per-request loop: kept short (each line runs cold there).
         scheduler: TailScheduler = self._scheduler  # type: ignore[assignment]
-        if num_external_tokens > 0 and scheduler.reads_entries:
+        if (
+            num_external_tokens > 0
+            and scheduler.reads_entries
+            and (
+                type(params := request.kv_transfer_params) is not dict
+                or entry.KEY in params
+                or scheduler.reads_absent_entries
+            )
+        ):
             try:
                 # Before the inner update, which may rewrite what the entry's
                 # binding covers (NIXL push seeds remote_block_ids there).
@@ -356,6 +368,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
                 return
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens <= 0 and not (scheduler.load_starts or scheduler.load_readings):
+            return  # nothing loaded, nothing kept to forget (the second call)
         try:
             scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:

@@ -182,9 +182,10 @@ class EntryReader:
         self._stats = stats
         # req_id -> the reading, taken at alloc (``readings``: the alloc hook
         # pops it in place); and every request's reading until it finishes
-        # (read once per request).
+        # (``seen``: read once per request). Both empty where no request
+        # had an entry: the finish hook then calls nothing here.
         self.readings: dict[str, Reading] = {}
-        self._seen: dict[str, Reading] = {}
+        self.seen: dict[str, Reading] = {}
         # By load_async: what the reading is for (claims, bind, digest).
         # Claims are read where their path zeroes tails; the binding (and
         # MAC) only where something depends on it: a claim that can skip a
@@ -206,7 +207,7 @@ class EntryReader:
     def read(self, request: Any, load_async: bool) -> None:
         """Read ``request``'s entry for the allocation that follows."""
         req_id = request.request_id
-        seen = self._seen.get(req_id)
+        seen = self.seen.get(req_id)
         if seen is not None:  # allocated again (0.32's MoRIIO re-matches): counted once
             self.readings[req_id] = seen
             return
@@ -217,18 +218,18 @@ class EntryReader:
             return
         if claims or digest:
             found = self._read(request, claims=claims, bind=bind, digest=digest)
-            self.readings[req_id] = self._seen[req_id] = found
+            self.readings[req_id] = self.seen[req_id] = found
 
     def drop(self, req_id: str) -> None:
         self.readings.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self.readings.pop(req_id, None)
-        self._seen.pop(req_id, None)
+        self.seen.pop(req_id, None)
 
     @property
     def num_tracked(self) -> int:
-        return len(self.readings) + len(self._seen)
+        return len(self.readings) + len(self.seen)
 
     def _read(self, request: Any, *, claims: bool, bind: bool, digest: bool) -> Reading:
         """The producer's ``kvtail`` entry of ``request``: ``(claim, expected)``.

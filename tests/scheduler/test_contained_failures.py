@@ -347,12 +347,12 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_reader.read", "_records.written", "_errors.started"])
+@pytest.mark.parametrize("method", ["_reader.read", "_records.written", "_records.from_written"])
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
     # _reader.read: read_entry fails, the scheduler's update never runs;
     # _records.written: the allocation fails (contain_alloc);
-    # _errors.started: the load's record (built with the step's metadata)
-    # fails before the load is tracked in flight.
+    # _records.from_written: the load's record (built with the step's
+    # metadata) fails once the load is in flight.
     h = Harness("always")
     owner, _, name = method.rpartition(".")
     _inject_once(monkeypatch, operator.attrgetter(owner)(h.scheduler.connector._scheduler), name)
@@ -424,7 +424,8 @@ def test_an_uncontained_record_error_leaves_the_rest_for_contain_meta(monkeypatc
     # An allocation not yet recorded is held (the gauge reads it there too).
     assert ts._tails.held() == {"r2"} and ts.held_requests() == 2
     assert ts._errors.failing == ["r1"]
-    assert ts._errors._in_flight["r1"] == (tuple(h.inner_scheduler.blocks_by_req["r1"][0][:5]),)
+    written = (tuple(h.inner_scheduler.blocks_by_req["r1"][0][:5]),)
+    assert ts._errors.in_flight_by_request["r1"] == written
     failing = ts.contain_meta(None).failing
     assert failing == ("r1", "r2") and not ts._tails.allocations
     assert set(ts._errors.in_flight) == {"r1", "r2"}

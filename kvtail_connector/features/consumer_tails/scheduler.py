@@ -54,7 +54,9 @@ class ConsumerTailsScheduler:
         # The allocations not yet recorded; the alloc hook appends to this
         # very list (it is cleared in place, never replaced).
         self.allocations: list[Allocation] = []
-        self._pending: list[LoadRecord] = []
+        # The step's records (the scheduler's one pass appends in place: what
+        # add does); cleared in place, never replaced.
+        self.records: list[LoadRecord] = []
 
     def take_allocations(self) -> list[Allocation]:
         taken = self.allocations[:]
@@ -62,28 +64,28 @@ class ConsumerTailsScheduler:
         return taken
 
     def add(self, record: LoadRecord) -> None:
-        self._pending.append(record)
+        self.records.append(record)
 
     @property
     def pending(self) -> tuple[LoadRecord, ...]:
-        return tuple(self._pending)
+        return tuple(self.records)
 
     def clear(self) -> None:
         """Forget the records and the allocations not yet recorded."""
-        self._pending.clear()
+        self.records.clear()
         self.allocations.clear()
 
     def holding(self) -> tuple[Sized, ...]:
         """The containers :meth:`held` reads, live (never replaced): empty
         together exactly when :meth:`held` is."""
-        return (self._pending, self.allocations)
+        return (self.records, self.allocations)
 
     def held(self) -> set[str]:
-        held = {r.req_id for r in self._pending}
+        held = {r.req_id for r in self.records}
         if self.allocations:
             held.update(a[0].request_id for a in self.allocations)
         return held
 
     @property
     def num_tracked(self) -> int:
-        return len(self._pending) + len(self.allocations)
+        return len(self.records) + len(self.allocations)

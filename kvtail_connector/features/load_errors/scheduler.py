@@ -24,8 +24,10 @@ class LoadErrorsScheduler:
 
     def __init__(self, stats: KVTailStats) -> None:
         self._stats = stats
-        # request -> ids per group of the blocks its load writes
-        self._in_flight: dict[str, tuple[Sequence[int], ...]] = {}
+        # request -> ids per group of the blocks its load writes (the
+        # scheduler's one pass over a step's loads stores there in place:
+        # what started does)
+        self.in_flight_by_request: dict[str, tuple[Sequence[int], ...]] = {}
         self._failed: set[str] = set()
         self._failing: list[str] = []
 
@@ -33,13 +35,13 @@ class LoadErrorsScheduler:
         """An async load of ``req_id`` writing ``blocks`` (ids per group, vLLM's
         null block among them where a window skipped one) is in flight. Kept as
         given: they are searched only when invalid blocks are reported."""
-        self._in_flight[req_id] = blocks
+        self.in_flight_by_request[req_id] = blocks
 
     def lost(self, req_id: str, blocks: tuple[Sequence[int], ...] = ()) -> None:
         """The async load of ``req_id`` has no record: the workers report it
         failed when it completes (counted in ``failed_loads``: in flight, with
         ``blocks`` where known and not yet given to :meth:`started`)."""
-        self._in_flight.setdefault(req_id, blocks)
+        self.in_flight_by_request.setdefault(req_id, blocks)
         self._failing.append(req_id)
 
     @property
@@ -55,20 +57,20 @@ class LoadErrorsScheduler:
     @property
     def in_flight(self) -> Any:
         """The ids of the loads in flight (a set-like view)."""
-        return self._in_flight.keys()
+        return self.in_flight_by_request.keys()
 
     def settle(self, connector_output: Any) -> list[str]:
         """Count this step's new failures; forget the loads reported finished
         and return their ids."""
         reported = connector_output.failed_recving
-        failed = set(reported) & self._in_flight.keys() if reported else set()
+        failed = set(reported) & self.in_flight_by_request.keys() if reported else set()
         invalid = connector_output.invalid_block_ids
         if invalid:
             # vLLM's null block is shared, never a load's own: not a failure.
             invalid = set(invalid) - {_compat.NULL_BLOCK_ID}
             failed.update(
                 r
-                for r, blocks in self._in_flight.items()
+                for r, blocks in self.in_flight_by_request.items()
                 if any(not invalid.isdisjoint(ids) for ids in blocks)
             )
         if failed:
@@ -81,7 +83,7 @@ class LoadErrorsScheduler:
 
     def finished(self, req_ids: Iterable[str]) -> list[str]:
         """Forget these loads; the ids of those that were in flight."""
-        pop = self._in_flight.pop
+        pop = self.in_flight_by_request.pop
         done = []
         for req_id in req_ids:
             if pop(req_id, None) is not None:
@@ -93,11 +95,11 @@ class LoadErrorsScheduler:
     def holding(self) -> tuple[Sized, ...]:
         """The containers :meth:`held` reads, live (never replaced): empty
         together exactly when :meth:`held` is."""
-        return (self._in_flight,)
+        return (self.in_flight_by_request,)
 
     def held(self) -> AbstractSet[str]:
-        return self._in_flight.keys()
+        return self.in_flight_by_request.keys()
 
     @property
     def num_tracked(self) -> int:
-        return len(self._in_flight) + len(self._failed) + len(self._failing)
+        return len(self.in_flight_by_request) + len(self._failed) + len(self._failing)
