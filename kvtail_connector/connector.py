@@ -316,6 +316,10 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         groups = self._inner.get_loaded_kv_cache_group_ids(request)
+        if type(groups) is not tuple:
+            # Read twice (the ids written, then the record): an iterator or a
+            # list the inner connector changes later would leave a record short.
+            groups = tuple(groups)
         scheduler = self._scheduler
         if scheduler is not None:
             # vLLM asks this right before it allocates an async load's blocks
@@ -332,7 +336,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # place, no call (this runs once per waiting request, cold).
         starts = self._scheduler.load_starts  # type: ignore[union-attr]
         if count:
-            # load_async as given: read for its truth.
+            # load_async as given: every reader takes its truth (bool()).
             starts[request.request_id] = (num_computed_tokens, load_async)
         else:
             starts.pop(request.request_id, None)

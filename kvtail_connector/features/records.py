@@ -93,7 +93,8 @@ class LoadRecords:
     def loaded_groups(self, request: Any) -> Any:
         """The inner connector's answer; its exceptions tagged as its own."""
         try:
-            return self._inner.get_loaded_kv_cache_group_ids(request)
+            # A tuple: read twice (the ids written, then the record).
+            return tuple(self._inner.get_loaded_kv_cache_group_ids(request))
         except BaseException as exc:
             mark_inner(exc)
             raise

@@ -380,6 +380,57 @@ def _two_loads(h: Harness) -> dict[str, list[int]]:
     return {r: list(h.inner_scheduler.blocks_by_req[r][0]) for r in ("r1", "r2")}
 
 
+@pytest.mark.parametrize("asked_by", ["vllm", "the wrapper"])
+def test_loaded_groups_as_a_one_shot_iterator_still_record_the_tail(asked_by, monkeypatch):
+    # The groups are read twice (the ids written at the allocation, the record
+    # with the metadata): an inner connector answering with an iterator must
+    # not leave the record short, whether vLLM asked through the facade or
+    # the wrapper asks itself (the answer vLLM got was for another request).
+    h = Harness("always")
+    facade = h.scheduler.connector
+    real = facade.inner.get_loaded_kv_cache_group_ids
+    monkeypatch.setattr(facade.inner, "get_loaded_kv_cache_group_ids", lambda r: iter(real(r)))
+    if asked_by == "the wrapper":
+        monkeypatch.setattr(facade, "get_loaded_kv_cache_group_ids", lambda r: tuple(real(r)))
+    else:
+        assert facade.get_loaded_kv_cache_group_ids(object()) == (0,)  # a tuple to vLLM too
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()
+    (record,) = h.metas[-1].loads
+    ids = h.inner_scheduler.blocks_by_req["r1"][0]
+    assert record.groups == (GroupLoad(0, 0, tuple(ids[:5])),)
+    h.land("r1", 0, 0, 70)
+    h.step()
+    assert slot_state(h.caches.views[LAYERS[0]], ids[4]) == ["loaded"] * 6 + ["zero"] * 10
+    h.finish()
+    assert h.stats["tails_zeroed"] == 1 and h.stats["failed_loads"] == 0
+
+
+@pytest.mark.parametrize("order", ["digest first", "plain first"])
+def test_a_failed_record_with_a_digest_leaves_the_plain_loads_of_its_step(
+    order,
+    sent,  # noqa: F811
+    monkeypatch,
+):
+    # One pass records a step's loads: plain ones inline, one with a digest
+    # to verify through _record. A failure there, before its load is in
+    # flight, fails that load alone, whichever comes first in the pass.
+    _, params = sent
+    d = consumer()
+    _inject_once(monkeypatch, d.scheduler.connector._scheduler._errors, "started")
+    digest = ("c1", PROMPT, {"double_load_tokens": PROMPT, **routed(params)})
+    plain = ("c2", 100, {"double_load_tokens": 70})
+    for req_id, tokens, kw in (digest, plain) if order == "digest first" else (plain, digest):
+        d.add(req_id, tokens, double_finish_after_steps=2, **kw)
+    d.step()
+    meta = d.metas[-1]
+    assert [r.req_id for r in meta.loads] == ["c2"]
+    assert list(meta.failing) == ["c1"]
+    ts = d.scheduler.connector._scheduler
+    assert set(ts._errors.in_flight) == {"c1", "c2"} and not ts._tails.allocations
+    assert d.stats["internal_errors"] == 1
+
+
 def test_one_failed_record_fails_its_load_only(monkeypatch):
     h = Harness("always")
     _inject_once(monkeypatch, h.scheduler.connector._scheduler._records, "from_written")
