@@ -316,16 +316,26 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         groups = self._inner.get_loaded_kv_cache_group_ids(request)
-        if type(groups) is not tuple:
-            # Read twice (the ids written, then the record): an iterator or a
-            # list the inner connector changes later would leave a record short.
-            groups = tuple(groups)
         scheduler = self._scheduler
-        if scheduler is not None:
-            # vLLM asks this right before it allocates an async load's blocks
-            # (the groups it then keeps from zeroing); the allocation hook
-            # that follows uses the same answer instead of asking again.
-            scheduler.asked_loaded = (request, groups)
+        if scheduler is None:
+            return groups
+        # vLLM asks this right before it allocates an async load's blocks (the
+        # groups it then keeps from zeroing); the allocation hook that follows
+        # uses the same answer instead of asking again. Kept as a tuple: it is
+        # read twice (the ids written, then the record), and an iterator or a
+        # list the inner connector changes later would leave a record short.
+        kept = groups
+        if type(groups) is not tuple:
+            try:
+                kept = tuple(groups)
+            except TypeError:
+                # Not iterable: not kept (the allocation asks again, and
+                # contains what that raises); vLLM gets it as given.
+                scheduler.asked_loaded = None
+                return groups
+            if iter(groups) is groups:
+                groups = kept  # an iterator, spent here: vLLM reads the tuple
+        scheduler.asked_loaded = (request, kept)
         return groups
 
     def get_num_new_matched_tokens(

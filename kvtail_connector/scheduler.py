@@ -244,7 +244,7 @@ class TailScheduler:
                 # A plain tuple in Allocation's field order (a NamedTuple costs
                 # 0.1 µs more to build; nothing reads it by field name).
                 self._allocations.append(
-                    (request, local, loaded, groups, written, states, claim, expected)
+                    (request, local, loaded, groups, written, states, claim, expected, req_id)
                 )
             elif self._reads is not None:
                 # Other sync loads land in blocks vLLM zeroed first.
@@ -277,11 +277,12 @@ class TailScheduler:
                 try:
                     for k in range(k, n):  # noqa: B020 (k: where one raised)
                         allocation = allocations[k]
-                        if allocation[6] is not None or allocation[7] is not None:
+                        _, local, loaded, loaded_groups, written, _, claim, expected, req_id = (
+                            allocation
+                        )
+                        if claim is not None or expected is not None:
                             self._record(allocation)
                             continue
-                        request, local, loaded, loaded_groups, written, _, _, _ = allocation
-                        req_id = request.request_id
                         in_flight[req_id] = written
                         if zeroes:
                             record = from_written(req_id, written, local, loaded, loaded_groups)
@@ -289,7 +290,7 @@ class TailScheduler:
                                 pending.append(record)
                     k = n
                 except Exception as exc:
-                    req_id = allocations[k][0].request_id
+                    req_id = allocations[k][8]
                     self._errors.lost(req_id, allocations[k][4])
                     handled = True
                     if failed is None:
@@ -303,13 +304,12 @@ class TailScheduler:
                 raise
 
     def _record(self, allocation: Allocation) -> None:
-        request, local, loaded, loaded_groups, written, states, claim, expected = allocation
+        request, local, loaded, loaded_groups, written, states, claim, expected, req_id = allocation
         records, policy = self._records, self._policy
         if expected is not None and expected.num_tokens < loaded and self._verify is not None:
             # Tokens [n, loaded) would go uncompared yet counted verified.
             self._verify.unrecorded()
             expected = None
-        req_id = request.request_id
         keep = expected is not None
         self._errors.started(req_id, written)
         if not policy.zeroes_tails and not keep:
@@ -461,7 +461,7 @@ class TailScheduler:
         return [
             *self._errors.failing,
             *(r.req_id for r in self._tails.pending),
-            *(a[0].request_id for a in self._tails.allocations),
+            *(a[8] for a in self._tails.allocations),
         ]
 
     def contain_meta(self, inner_meta: Any) -> KVTailMetadata:
@@ -470,7 +470,7 @@ class TailScheduler:
         READ and producer records are not shipped (no claim is made)."""
         for allocation in self._tails.take_allocations():
             # Now among the failing, its blocks in flight (invalid ones match).
-            self._errors.lost(allocation[0].request_id, allocation[4])
+            self._errors.lost(allocation[8], allocation[4])
         failing = tuple(self.pending_loads)
         self._errors.take_failing()
         self._tails.clear()

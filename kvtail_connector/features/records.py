@@ -105,17 +105,21 @@ class LoadRecords:
         """Per group of ``loaded_groups`` (:meth:`loaded_groups`), the ids of
         the blocks a load of tokens ``[local, loaded)`` into ``blocks``
         (vLLM's ``KVCacheBlocks`` of the request) writes; vLLM's null block
-        left in, for the reader to skip. Only these blocks' ids are read."""
-        # Called where vLLM has just allocated the blocks (their objects are
-        # in cache); what is built from the ids waits for the metadata.
-        # A list comprehension, not map(attrgetter) nor a generator: 3.11
-        # specializes its attribute load (5 blocks: 0.40 -> 0.29 µs on CPU).
-        sizes, per_group = self._sizes, blocks.blocks
+        (a sliding window's gap) as :data:`NULL_BLOCK`, for the readers to
+        skip. Only these blocks' ids are read."""
+        # Called where vLLM has just allocated the blocks: the ids read now,
+        # and checked for the null block while their int objects are in
+        # cache (at the metadata each compared is a miss); what is built
+        # from them waits for the metadata. A list comprehension, not
+        # map(attrgetter) nor a generator: 3.11 specializes its attribute
+        # load (5 blocks: 0.40 -> 0.29 µs on CPU).
+        sizes, per_group, null = self._sizes, blocks.blocks, _compat.NULL_BLOCK_ID
         written = []
         for gid in loaded_groups:
             eb = sizes[gid]
             blocks_written = per_group[gid][local // eb : -(-loaded // eb)]
-            written.append(tuple([b.block_id for b in blocks_written]))
+            ids = tuple([b.block_id for b in blocks_written])
+            written.append(null_as_ours(ids) if null in ids else ids)
         return tuple(written)
 
     def from_written(
@@ -135,8 +139,8 @@ class LoadRecords:
         # Once per load, the step's loads in one pass: no helper calls, tuples
         # built in C (tuple.__new__ skips the NamedTuple's Python __new__);
         # no zip(strict=True) either (0.23 µs a call; ``written`` is built
-        # from ``loaded_groups``, one entry each).
-        tail_sizes, new, null = self._tail_sizes, tuple.__new__, _compat.NULL_BLOCK_ID
+        # from ``loaded_groups``, one entry each). The ids are not read here.
+        tail_sizes, new = self._tail_sizes, tuple.__new__
         entries = []
         any_tail = False
         k = 0
@@ -145,10 +149,7 @@ class LoadRecords:
             if eb is not None:
                 if loaded % eb:
                     any_tail = True
-                ids = written[k]
-                if null in ids:
-                    ids = null_as_ours(ids)
-                entries.append(new(GroupLoad, (gid, local // eb, ids)))
+                entries.append(new(GroupLoad, (gid, local // eb, written[k])))
             k += 1  # noqa: SIM113 (enumerate: 40 ns more a load)
         if not entries or not (any_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale, nothing to watch

@@ -472,6 +472,7 @@ def test_an_uncontained_record_error_leaves_the_rest_for_contain_meta(monkeypatc
     with pytest.raises(_InnerFault):
         h.step()
     assert [a[0].request_id for a in ts._tails.allocations] == ["r2"]
+    assert [a[8] for a in ts._tails.allocations] == ["r2"]
     # An allocation not yet recorded is held (the gauge reads it there too).
     assert ts._tails.held() == {"r2"} and ts.held_requests() == 2
     assert ts._errors.failing == ["r1"]

@@ -35,6 +35,8 @@ from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
 #   states         the state blocks it writes, where verified with states
 #   claim          the producer's zero-tail claim, if read
 #   expected       the digest to verify, if read
+#   req_id         the request's id (read at the allocation: at the metadata
+#                  the request object is out of cache)
 Allocation = tuple[
     Any,
     int,
@@ -44,6 +46,7 @@ Allocation = tuple[
     tuple[GroupLoad, ...],
     "int | None",
     "ExpectedDigest | None",
+    str,
 ]
 
 
@@ -83,7 +86,7 @@ class ConsumerTailsScheduler:
     def held(self) -> set[str]:
         held = {r.req_id for r in self.records}
         if self.allocations:
-            held.update(a[0].request_id for a in self.allocations)
+            held.update(a[8] for a in self.allocations)
         return held
 
     @property

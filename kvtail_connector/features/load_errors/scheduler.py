@@ -32,9 +32,10 @@ class LoadErrorsScheduler:
         self._failing: list[str] = []
 
     def started(self, req_id: str, blocks: tuple[Sequence[int], ...]) -> None:
-        """An async load of ``req_id`` writing ``blocks`` (ids per group, vLLM's
-        null block among them where a window skipped one) is in flight. Kept as
-        given: they are searched only when invalid blocks are reported."""
+        """An async load of ``req_id`` writing ``blocks`` (ids per group, a
+        window's gap as :data:`~kvtail_connector.metadata.NULL_BLOCK`, which
+        no reported id matches) is in flight. Kept as given: they are searched
+        only when invalid blocks are reported."""
         self.in_flight_by_request[req_id] = blocks
 
     def lost(self, req_id: str, blocks: tuple[Sequence[int], ...] = ()) -> None:
