@@ -327,13 +327,14 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         kept = groups
         if type(groups) is not tuple:
             try:
-                kept = tuple(groups)
+                it = iter(groups)
             except TypeError:
-                # Not iterable: not kept (the allocation asks again, and
-                # contains what that raises); vLLM gets it as given.
+                # Not iterable (vLLM only tests membership): not kept; the
+                # allocation asks again and contains what that raises.
                 scheduler.asked_loaded = None
                 return groups
-            if iter(groups) is groups:
+            kept = tuple(it)  # what the inner's iterable raises is its own
+            if it is groups:
                 groups = kept  # an iterator, spent here: vLLM reads the tuple
         scheduler.asked_loaded = (request, kept)
         return groups

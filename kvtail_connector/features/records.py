@@ -93,11 +93,13 @@ class LoadRecords:
     def loaded_groups(self, request: Any) -> Any:
         """The inner connector's answer; its exceptions tagged as its own."""
         try:
-            # A tuple: read twice (the ids written, then the record).
-            return tuple(self._inner.get_loaded_kv_cache_group_ids(request))
+            groups = self._inner.get_loaded_kv_cache_group_ids(request)
         except BaseException as exc:
             mark_inner(exc)
             raise
+        # A tuple: read twice (the ids written, then the record). Outside the
+        # tag: an answer that is no iterable fails this load alone (contained).
+        return groups if type(groups) is tuple else tuple(groups)
 
     def written(
         self, blocks: Any, loaded_groups: Any, local: int, loaded: int

@@ -67,7 +67,8 @@ class LoadErrorsScheduler:
         failed = set(reported) & self.in_flight_by_request.keys() if reported else set()
         invalid = connector_output.invalid_block_ids
         if invalid:
-            # vLLM's null block is shared, never a load's own: not a failure.
+            # vLLM's null block is shared, never a load's own: not a failure
+            # (the ids kept here hold NULL_BLOCK for it; a guard all the same).
             invalid = set(invalid) - {_compat.NULL_BLOCK_ID}
             failed.update(
                 r
