@@ -10,7 +10,7 @@ connector, and every classmethod the inner class through
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -374,12 +374,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 # binding covers (NIXL push seeds remote_block_ids there).
                 scheduler.read_entry(request)
             except Exception as exc:
-                self._guard.failed(
-                    exc,
-                    "update_state_after_alloc",
-                    (request.request_id,),
-                    lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
-                )
+                self._alloc_failed(exc, request, blocks, num_external_tokens)
                 self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
                 return
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -388,12 +383,25 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:
-            self._guard.failed(
-                exc,
-                "update_state_after_alloc",
-                (request.request_id,),
-                lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
-            )
+            self._alloc_failed(exc, request, blocks, num_external_tokens)
+
+    def _alloc_failed(
+        self, exc: Exception, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        scheduler = self._scheduler
+        assert scheduler is not None
+        self._request_failed(
+            exc,
+            "update_state_after_alloc",
+            request,
+            lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
+        )
+
+    def _request_failed(
+        self, exc: Exception, hook: str, request: Any, fallback: Callable[[], None]
+    ) -> None:
+        """A per-request scheduler hook's part failed: contained (the guard)."""
+        self._guard.failed(exc, hook, (request.request_id,), fallback)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         scheduler = self._scheduler
@@ -458,14 +466,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        result = self._inner.request_finished(request, block_ids)
-        scheduler = self._scheduler
-        if scheduler is not None:
-            try:
-                scheduler.request_finished(request, result[1])
-            except Exception as exc:
-                self._finish_failed(exc, request)
-        return result
+        return self._finished(request, self._inner.request_finished(request, block_ids))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -475,23 +476,22 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             assert len(block_ids) == 1, "a non-HMA inner connector runs with one KV cache group"
             result = self._inner.request_finished(request, block_ids[0])
+        return self._finished(request, result)
+
+    def _finished(
+        self, request: Any, result: tuple[bool, dict[str, Any] | None]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``result``: the inner connector's answer, returned as given."""
         scheduler = self._scheduler
         if scheduler is not None:
             try:
                 scheduler.request_finished(request, result[1])
             except Exception as exc:
-                self._finish_failed(exc, request)
+                forget = scheduler.forget
+                self._request_failed(
+                    exc, "request_finished", request, lambda: forget(request.request_id)
+                )
         return result
-
-    def _finish_failed(self, exc: Exception, request: Any) -> None:
-        scheduler = self._scheduler
-        assert scheduler is not None
-        self._guard.failed(
-            exc,
-            "request_finished",
-            (request.request_id,),
-            lambda: scheduler.forget(request.request_id),
-        )
 
     def register_finished_partial_tail(
         self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any
