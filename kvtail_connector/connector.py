@@ -10,7 +10,7 @@ connector, and every classmethod the inner class through
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -390,18 +390,12 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         scheduler = self._scheduler
         assert scheduler is not None
-        self._request_failed(
+        self._guard.failed(
             exc,
             "update_state_after_alloc",
-            request,
+            (request.request_id,),
             lambda: scheduler.contain_alloc(request, blocks, num_external_tokens),
         )
-
-    def _request_failed(
-        self, exc: Exception, hook: str, request: Any, fallback: Callable[[], None]
-    ) -> None:
-        """A per-request scheduler hook's part failed: contained (the guard)."""
-        self._guard.failed(exc, hook, (request.request_id,), fallback)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         scheduler = self._scheduler
@@ -487,9 +481,11 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 scheduler.request_finished(request, result[1])
             except Exception as exc:
-                forget = scheduler.forget
-                self._request_failed(
-                    exc, "request_finished", request, lambda: forget(request.request_id)
+                self._guard.failed(
+                    exc,
+                    "request_finished",
+                    (request.request_id,),
+                    lambda: scheduler.forget(request.request_id),
                 )
         return result
 
