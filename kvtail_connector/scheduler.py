@@ -58,7 +58,6 @@ from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
-_new = tuple.__new__
 
 # Contains an internal error in one load's record: (the error, the request id).
 RecordFailed = Callable[[Exception, str], None]
