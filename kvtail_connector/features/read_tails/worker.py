@@ -246,7 +246,7 @@ class ReadTailsWorker:
         except Exception:
             logger.error(
                 "KVTailConnector: READ tails of %s may be left stale (%s)",
-                ", ".join(sorted({o for w in taken for o in w.armed.owners})),
+                _owners(taken),
                 by_layer.layer_sets[taken[0].group].layer_names[0],
             )
             raise
@@ -279,7 +279,7 @@ class ReadTailsWorker:
             if not done and works:
                 logger.error(
                     "KVTailConnector: READ tails of %s may be left stale (after the forward)",
-                    ", ".join(sorted({o for w in works for o in w.armed.owners})),
+                    _owners(works),
                 )
 
     def _zero_on_reference(self, by_layer: ReadTailsByLayer, works: list[LayerWork]) -> None:
@@ -300,7 +300,7 @@ class ReadTailsWorker:
             self._warned_reference = True
             log(
                 "KVTailConnector: READ tails of %s in %s zeroed on the reference path",
-                ", ".join(sorted(set(work.armed.owners))),
+                _owners([work]),
                 layer.layer_names[0],
             )
 
@@ -314,3 +314,8 @@ class ReadTailsWorker:
     def num_tracked(self) -> int:
         waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
         return len(self._read_loads) + waiting_layers
+
+
+def _owners(works: list[LayerWork]) -> str:
+    """The requests whose READ tails ``works`` zero, for a log line."""
+    return ", ".join(sorted({owner for work in works for owner in work.armed.owners}))
