@@ -183,6 +183,15 @@ class RankZeroing:
         if event is not None and not event.query():
             event.synchronize()
 
+    def mark_zeroed(self) -> None:
+        """Zeroing was just enqueued on the current stream without the
+        zeroer's launch (the reference path): the fence waits for it too,
+        as for a launch (CUDA; nothing to wait for elsewhere)."""
+        zeroer = self.zeroer
+        if zeroer is not None:
+            zeroer.record_done()
+            self.last_zeroing = zeroer.last_launch_done
+
     # ------------------------------------------------------------------ work
 
     def zeroing(self, owner: str, items: list[Item]) -> Zeroing:

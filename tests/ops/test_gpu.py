@@ -132,6 +132,32 @@ def test_last_launch_done_is_recorded_behind_the_launch(use_graphs):
 
 
 @pytest.mark.gpu
+def test_record_done_covers_zeroing_enqueued_outside_a_launch():
+    # RankZeroing.mark_zeroed: after READ tails zeroed on the reference path,
+    # start_load_kv's fence waits on this event; the launch's own is too early.
+    backing = make_backing(
+        "LBHNC", num_layers=2, num_pages=8, heads=2, slots=16, content=64, dtype=torch.float16
+    )
+    expected = backing.raw.clone()
+    reference_zero_kv_blocks(rebase(backing.views, expected), (), [(1, 2), (3, 5)])
+    dev = to_device(backing, "cuda")
+    zeroer = StepZeroer([(dev.views, 1)])
+    zeroer.zero(np.array([[0, 1, 2]]))
+    launched = zeroer.last_launch_done
+    torch.cuda._sleep(200_000_000)  # the stream stays busy past the checks below
+    reference_zero_kv_blocks(dev.views, (), [(3, 5)])
+    zeroer.record_done()
+    event = zeroer.last_launch_done
+    assert launched is not None and event is not None
+    assert not event.query()
+    event.synchronize()  # what the fence does
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a reader the compute stream does not order (an RDMA)
+        got = dev.raw.to("cpu")
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
 def test_zero_kv_blocks_releases_a_freed_cuda_cache():
     # Its cached plan keeps addresses, not tensors.
     gc.collect()

@@ -197,8 +197,15 @@ def test_when_the_launch_fails_the_landed_tails_are_zeroed_on_the_reference_path
     s.worker._rank.zero = broken
     with pytest.raises(RuntimeError):
         s.worker.reads_started(landed=True)
+    # The fence's event is taken once the tails are zeroed (on a GPU it is
+    # recorded behind that work: start_load_kv then waits for it).
+    rank = s.worker._rank
+    mark = rank.mark_zeroed
+    marked: list[bool] = []
+    rank.mark_zeroed = lambda: (marked.append(torch.equal(s.caches.raw[0], expected)), mark())
     s.worker.contain_reads(records, landed=True)
     assert torch.equal(s.caches.raw[0], expected)
+    assert marked == [True]
     assert s.worker.num_tracked == 0
 
 

@@ -231,6 +231,10 @@ class ReadTailsWorker:
                     tails=[(block, first)],
                     pages_per_block=cache_set.pages_per_block,
                 )
+        # Off the zeroer's launches: without this, start_load_kv's fence would
+        # not wait for it, and a transfer bypassing the stream into these
+        # blocks, freed and reused by then, could land before it.
+        rank.mark_zeroed()
 
     def contain_layer_loaded(self) -> None:
         """``layer_loaded`` failed: zero the tails of the layer it was zeroing
