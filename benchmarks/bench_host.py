@@ -217,6 +217,16 @@ class _Side:
 
         def timed(hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             acc = self.per_hook.setdefault(hook, [0, 0])
+            # vLLM calls the allocation hook twice per load (the second time
+            # with nothing loaded): each call kind gets its own row as well.
+            split = (
+                (
+                    self.per_hook.setdefault(f"{hook} (n>0)", [0, 0]),
+                    self.per_hook.setdefault(f"{hook} (n=0)", [0, 0]),
+                )
+                if hook == "update_state_after_alloc"
+                else None
+            )
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 t0 = time.perf_counter_ns()
@@ -228,6 +238,11 @@ class _Side:
                     self.hook_calls += 1
                     acc[0] += dt
                     acc[1] += 1
+                    if split is not None:
+                        n = args[2] if len(args) > 2 else kwargs["num_external_tokens"]
+                        part = split[0] if n > 0 else split[1]
+                        part[0] += dt
+                        part[1] += 1
 
             return call
 
