@@ -190,7 +190,9 @@ class RankZeroing:
         zeroer = self.zeroer
         if zeroer is not None:
             zeroer.record_done()
-            self.last_zeroing = zeroer.last_launch_done
+            event = zeroer.last_launch_done
+            if event is not None:  # no launcher (the torch path): none recorded
+                self.last_zeroing = event
 
     # ------------------------------------------------------------------ work
 

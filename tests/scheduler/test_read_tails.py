@@ -209,6 +209,43 @@ def test_when_the_launch_fails_the_landed_tails_are_zeroed_on_the_reference_path
     assert s.worker.num_tracked == 0
 
 
+def test_a_fallback_failing_partway_still_fences_what_it_zeroed(setup, monkeypatch, caplog):
+    # Record "a"'s tail is zeroed, then the reference path raises on "b"'s:
+    # the fence's mark is still taken behind "a"'s zeroing, and an ERROR
+    # names "b", whose tail is left as it was.
+    from kvtail_connector.features.read_tails import worker as read_worker
+
+    s = setup
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+    before = s.caches.raw[0].clone()
+    expected = before.clone()
+    reference_zero_kv_blocks(rebase(list(s.caches.views.values()), expected), (), TAILS[:1])
+    records = s.worker.read_loads
+    real = read_worker.reference_zero_kv_blocks
+    calls: list[int] = []
+
+    def fails_on_b(caches, tails=(), **kw):  # type: ignore[no-untyped-def]
+        calls.append(tails[0][0])
+        if tails[0][0] == TAILS[1][0]:
+            raise RuntimeError("injected")
+        real(caches, tails=tails, **kw)
+
+    monkeypatch.setattr(read_worker, "reference_zero_kv_blocks", fails_on_b)
+    rank = s.worker._rank
+    mark = rank.mark_zeroed
+    marked: list[bool] = []
+    rank.mark_zeroed = lambda: (marked.append(torch.equal(s.caches.raw[0], expected)), mark())
+    with pytest.raises(RuntimeError, match="injected"):
+        s.worker.contain_reads(records, landed=True)
+    assert calls == [TAILS[0][0], TAILS[1][0]]
+    assert marked == [True]
+    assert torch.equal(s.caches.raw[0].nan_to_num(), expected.nan_to_num())
+    stale = [r.getMessage() for r in caplog.records if "left stale" in r.getMessage()]
+    assert stale == ["KVTailConnector: READ tails of b may be left stale"]
+    assert not s.worker.has_read_loads
+
+
 def test_reads_not_landed_are_not_zeroed_by_the_fallback(setup):
     s = setup
     before = s.caches.raw[0].clone()

@@ -223,18 +223,28 @@ class ReadTailsWorker:
                 ", ".join(r.req_id for r in records),
             )
             return
-        for record in records:
-            for index, block, first in rank.tail_items(record):
-                cache_set = rank.sets[index]
-                reference_zero_kv_blocks(
-                    cache_set.caches,
-                    tails=[(block, first)],
-                    pages_per_block=cache_set.pages_per_block,
+        done = 0
+        try:
+            for record in records:
+                for index, block, first in rank.tail_items(record):
+                    cache_set = rank.sets[index]
+                    reference_zero_kv_blocks(
+                        cache_set.caches,
+                        tails=[(block, first)],
+                        pages_per_block=cache_set.pages_per_block,
+                    )
+                done += 1
+        finally:
+            # Off the zeroer's launches (all queued so far, should one raise):
+            # without this, start_load_kv's fence would not wait for them, and
+            # a transfer bypassing the stream into these blocks, freed and
+            # reused by then, could land before them.
+            rank.mark_zeroed()
+            if done < len(records):
+                logger.error(
+                    "KVTailConnector: READ tails of %s may be left stale",
+                    ", ".join(r.req_id for r in records[done:]),
                 )
-        # Off the zeroer's launches: without this, start_load_kv's fence would
-        # not wait for it, and a transfer bypassing the stream into these
-        # blocks, freed and reused by then, could land before it.
-        rank.mark_zeroed()
 
     def contain_layer_loaded(self) -> None:
         """``layer_loaded`` failed: zero the tails of the layer it was zeroing
