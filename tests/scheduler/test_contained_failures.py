@@ -160,6 +160,42 @@ def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
         assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
 
 
+def test_a_fallback_failing_partway_after_end_step_still_fences_what_it_zeroed(
+    setup,  # noqa: F811
+    monkeypatch,
+    caplog,
+):
+    # end_step's first launch fails; its fallback zeroes the first layer's
+    # tails on the reference path, then raises on the second layer's. The
+    # event the next start_load_kv's fence waits on is recorded behind the
+    # first layer's zeroing (on a GPU; here: record_done is called once it
+    # is done), and nothing is left for a later step.
+    from kvtail_connector.features.read_tails import worker as read_worker
+
+    s = setup
+    by_layer = s.worker._reads._by_layer
+    s.worker.reads_started(landed=False)
+    before = _land_all(s)
+    _inject_once(monkeypatch, by_layer, "zero")
+    _inject_nth(monkeypatch, read_worker, "reference_zero_kv_blocks", 2)
+    recorded: list[bool] = []
+    record = by_layer.zeroer.record_done
+    first_zeroed = _expected(s, [READ_LAYERS[0]], before)
+    monkeypatch.setattr(
+        by_layer.zeroer,
+        "record_done",
+        lambda: (recorded.append(torch.equal(s.caches.raw[0], first_zeroed)), record()),
+    )
+    try:
+        s.worker.end_step()
+    except Exception as exc:
+        _guard(s.worker).failed(exc, "clear_connector_metadata", (), s.worker.contain_end_step)
+    assert recorded == [True]
+    assert torch.equal(s.caches.raw[0], first_zeroed)
+    assert s.worker.num_tracked == 0
+    assert "may be left stale (after the forward)" in caplog.text
+
+
 def test_a_layer_whose_read_tail_launch_fails_is_zeroed_on_the_reference_path(
     setup,  # noqa: F811
     monkeypatch,

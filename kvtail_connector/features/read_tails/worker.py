@@ -280,13 +280,17 @@ class ReadTailsWorker:
         try:
             works = taken + by_layer.take_all()
             self._zero_on_reference(by_layer, works)
-            by_layer.record_done()
-            self._flush_layers(by_layer)
             done = True
         finally:
-            # Should this fail too (the guard logs it): no work left behind.
-            by_layer.reset()
-            self._layers_launched = False
+            # Should this fail too (the guard logs it): what ran on the stream
+            # is fenced all the same, and no work is left behind.
+            try:
+                by_layer.record_done()
+                if self._layers_launched:
+                    self._rank.last_zeroing = by_layer.last_launch_done
+            finally:
+                by_layer.reset()
+                self._layers_launched = False
             if self._layer_bytes:  # launched before the failure
                 self._rank.stats.add("tail_bytes_zeroed", self._layer_bytes)
                 self._layer_bytes = 0
@@ -301,13 +305,15 @@ class ReadTailsWorker:
         recorded by ``by_layer.record_done`` covers it); bytes counted."""
         for work in works:
             layer = by_layer.layer_sets[work.group]
+            # Marked before: should it raise partway, what it queued is still
+            # recorded behind (record_done) and fenced.
+            by_layer.zeroed_apart()
+            self._layers_launched = True
             reference_zero_kv_blocks(
                 layer.caches,
                 tails=list(work.armed.blocks_firsts),
                 pages_per_block=layer.pages_per_block,
             )
-            by_layer.zeroed_apart()
-            self._layers_launched = True
             self._layer_bytes += by_layer.nbytes(work)
             # Once at WARNING: a failure that repeats repeats every layer, every step.
             log = logger.debug if self._warned_reference else logger.warning
