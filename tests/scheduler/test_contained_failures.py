@@ -21,8 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kvtail_connector.containment import Containment, mark_inner
 from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
-from kvtail_connector.ops import KVZeroer
+from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks
 from kvtail_connector.stats import KVTailStats
+from tests.helpers.layouts import rebase
 from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker
@@ -160,16 +161,18 @@ def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
         assert bool((s.caches.views[name][6, :, 5:8] == 1.0).all()), name
 
 
+@pytest.mark.parametrize("partway", ["first-layer", "second-layer"])
 def test_a_fallback_failing_partway_after_end_step_still_fences_what_it_zeroed(
     setup,  # noqa: F811
     monkeypatch,
     caplog,
+    partway,
 ):
-    # end_step's first launch fails; its fallback zeroes the first layer's
-    # tails on the reference path, then raises on the second layer's. The
-    # event the next start_load_kv's fence waits on is recorded behind the
-    # first layer's zeroing (on a GPU; here: record_done is called once it
-    # is done), and nothing is left for a later step.
+    # end_step's first launch fails; its fallback zeroes on the reference path
+    # and raises partway: after one tail of the first layer, or on the second
+    # layer. The event the next start_load_kv's fence waits on is recorded
+    # behind what was zeroed and becomes the rank's (on CPU no event exists:
+    # a stand-in stands for it), and nothing is left for a later step.
     from kvtail_connector.features.read_tails import worker as read_worker
 
     s = setup
@@ -177,21 +180,46 @@ def test_a_fallback_failing_partway_after_end_step_still_fences_what_it_zeroed(
     s.worker.reads_started(landed=False)
     before = _land_all(s)
     _inject_once(monkeypatch, by_layer, "zero")
-    _inject_nth(monkeypatch, read_worker, "reference_zero_kv_blocks", 2)
+    real = read_worker.reference_zero_kv_blocks
+    applied: list[tuple[Any, Any]] = []  # what the reference path zeroed
+
+    def fails_partway(caches: Any, tails: Any = (), **kw: Any) -> None:
+        if partway == "first-layer" or applied:
+            tails = list(tails)[:1] if partway == "first-layer" else []
+            if tails:
+                real(caches, tails=tails, **kw)
+                applied.append((caches, tails))
+            raise Injected("injected")
+        real(caches, tails=tails, **kw)
+        applied.append((caches, list(tails)))
+
+    monkeypatch.setattr(read_worker, "reference_zero_kv_blocks", fails_partway)
+
+    def zeroed_so_far() -> torch.Tensor:
+        expected = before.clone()
+        for caches, tails in applied:
+            reference_zero_kv_blocks(rebase(list(caches), expected), (), tails)
+        return expected
+
+    event = object()  # the CUDA event record_done would record
     recorded: list[bool] = []
-    record = by_layer.zeroer.record_done
-    first_zeroed = _expected(s, [READ_LAYERS[0]], before)
+
+    def record_done() -> None:
+        recorded.append(bool(applied) and torch.equal(s.caches.raw[0], zeroed_so_far()))
+
+    monkeypatch.setattr(by_layer.zeroer, "record_done", record_done)
     monkeypatch.setattr(
-        by_layer.zeroer,
-        "record_done",
-        lambda: (recorded.append(torch.equal(s.caches.raw[0], first_zeroed)), record()),
+        type(by_layer), "last_launch_done", property(lambda _: event if recorded else None)
     )
     try:
         s.worker.end_step()
     except Exception as exc:
         _guard(s.worker).failed(exc, "clear_connector_metadata", (), s.worker.contain_end_step)
     assert recorded == [True]
-    assert torch.equal(s.caches.raw[0], first_zeroed)
+    assert s.worker._rank.last_zeroing is event
+    assert len(applied) == 1  # one layer (all or one of its tails), then the failure
+    assert torch.equal(s.caches.raw[0], zeroed_so_far())
+    assert not torch.equal(s.caches.raw[0], before)
     assert s.worker.num_tracked == 0
     assert "may be left stale (after the forward)" in caplog.text
 

@@ -240,10 +240,21 @@ def test_a_fallback_failing_partway_still_fences_what_it_zeroed(setup, monkeypat
         s.worker.contain_reads(records, landed=True)
     assert calls == [TAILS[0][0], TAILS[1][0]]
     assert marked == [True]
-    assert torch.equal(s.caches.raw[0].nan_to_num(), expected.nan_to_num())
+    assert torch.equal(s.caches.raw[0], expected)
     stale = [r.getMessage() for r in caplog.records if "left stale" in r.getMessage()]
     assert stale == ["KVTailConnector: READ tails of b may be left stale"]
     assert not s.worker.has_read_loads
+
+
+def test_a_mark_without_an_event_keeps_the_fence_s_event(setup):
+    # A zeroer without a launcher (the torch path) records no event: the
+    # fence keeps waiting on the last one it had, never on nothing.
+    rank = setup.worker._rank
+    earlier = object()
+    rank.last_zeroing = earlier
+    assert rank.zeroer is not None and rank.zeroer.last_launch_done is None  # CPU
+    rank.mark_zeroed()
+    assert rank.last_zeroing is earlier
 
 
 def test_reads_not_landed_are_not_zeroed_by_the_fallback(setup):
