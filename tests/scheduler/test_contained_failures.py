@@ -86,11 +86,19 @@ def _decode_then_next_read(s: Any) -> None:
     s.worker.end_step()
 
 
-def test_a_failed_read_staging_leaves_nothing_for_the_next_step(setup, monkeypatch):  # noqa: F811
+def test_a_failed_read_staging_zeroes_at_the_waits_and_leaves_nothing_for_the_next_step(
+    setup,  # noqa: F811
+    monkeypatch,
+):
     s = setup
     _inject_once(monkeypatch, s.worker._reads._by_layer, "stage")
     _reads_started_contained(s.worker)  # step k: a and b armed, staging fails
     assert s.stats.data["internal_errors"] == 1
+    before = _land_all(s)
+    for name in READ_LAYERS:  # step k's forward: each layer's wait, before its attention
+        s.worker.layer_loaded(name)
+    s.worker.end_step()
+    assert torch.equal(s.caches.raw[0], _expected(s, list(READ_LAYERS), before))
     assert s.worker.num_tracked == 0
     _decode_then_next_read(s)
     for name in READ_LAYERS:

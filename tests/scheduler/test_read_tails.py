@@ -257,9 +257,71 @@ def test_a_mark_without_an_event_keeps_the_fence_s_event(setup):
     assert rank.last_zeroing is earlier
 
 
-def test_reads_not_landed_are_not_zeroed_by_the_fallback(setup):
+def test_reads_not_landed_are_zeroed_by_the_fallback_layer_by_layer_as_they_land(setup):
+    # Containment: reads_started failed before the READs landed. Each layer's
+    # tails are zeroed on the reference path at its wait (its READs landed,
+    # its attention not run yet), the fence's event recorded behind; a layer
+    # whose wait never ran, after the forward.
     s = setup
     before = s.caches.raw[0].clone()
     s.worker.contain_reads(s.worker.read_loads, landed=False)
-    assert torch.equal(s.caches.raw[0].nan_to_num(), before.nan_to_num())
+    assert torch.equal(s.caches.raw[0], before)  # nothing before the READs land
     assert not s.worker.has_read_loads
+    assert s.worker.num_tracked == len(LAYERS)
+    assert s.worker.held_requests() == 2  # a and b
+    rank = s.worker._rank
+    mark = rank.mark_zeroed
+    marks: list[torch.Tensor] = []
+    rank.mark_zeroed = lambda: (marks.append(s.caches.raw[0].clone()), mark())
+    for i, name in enumerate(LAYERS):
+        _land_read(s.caches.views[name], seed=i)
+        landed = s.caches.raw[0].clone()
+        if name == LAYERS[-1]:
+            s.worker.end_step()  # its wait never ran
+        else:
+            s.worker.layer_loaded(name)
+        assert torch.equal(s.caches.raw[0], _expected(s, [name], landed)), name
+        view = s.caches.views[name]
+        assert not view[6, :, 5:].any() and not view[3, :, 1:].any(), name
+        assert view[6, :, :5].isnan().any(), name  # valid slots keep their bytes
+        assert torch.equal(marks[-1], s.caches.raw[0]), name  # fenced behind it
+    assert s.worker.num_tracked == 0
+    assert s.worker.held_requests() == 0
+
+
+def test_fallback_layers_left_by_a_step_without_end_step_are_dropped_at_the_next_bind(
+    setup, caplog
+):
+    s = setup
+    s.worker.contain_reads(s.worker.read_loads, landed=False)
+    s.worker.layer_loaded(LAYERS[0])
+    after = s.caches.raw[0].clone()
+    s.worker.bind(KVTailMetadata(inner=None))  # type: ignore[arg-type]  # the next step
+    assert s.worker.num_tracked == 0
+    for name in LAYERS:
+        s.worker.layer_loaded(name)
+    s.worker.end_step()
+    assert torch.equal(s.caches.raw[0], after)  # nothing zeroed over the next step's KV
+    assert "READ tails of a, b left stale (their step ended early)" in caplog.text
+
+
+def test_a_fallback_layer_that_fails_at_its_wait_is_not_zeroed_again_later(
+    setup, monkeypatch, caplog
+):
+    from kvtail_connector.features.read_tails import on_reference
+
+    s = setup
+    s.worker.contain_reads(s.worker.read_loads, landed=False)
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", broken)
+    with pytest.raises(RuntimeError):
+        s.worker.layer_loaded(LAYERS[0])
+    assert f"READ tails of a, b may be left stale ({LAYERS[0]})" in caplog.text
+    monkeypatch.undo()
+    before = s.caches.raw[0].clone()
+    s.worker.layer_loaded(LAYERS[0])  # forgotten: no second zeroing
+    assert torch.equal(s.caches.raw[0], before)
+    assert s.worker.num_tracked == len(LAYERS) - 1

@@ -5,7 +5,8 @@ blocks the scheduler half kept out of vLLM's zero list. On vLLM 0.33 (and 0.32
 under FULL CUDA graphs) every READ has landed when the inner ``start_load_kv``
 returns: one launch zeroes the step's READ tails there, before the forward.
 Otherwise each layer's tail is zeroed as that layer's READs land
-(:mod:`~kvtail_connector.features.read_tails.by_layer`).
+(:mod:`~kvtail_connector.features.read_tails.by_layer`; where arming those
+launches failed, :mod:`~kvtail_connector.features.read_tails.on_reference`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.read_tails.by_layer import LayerWork, ReadTailsByLayer
+from kvtail_connector.features.read_tails.on_reference import ReferenceLayers
 from kvtail_connector.features.zeroing import RankZeroing
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import LoadRecord
@@ -61,6 +63,9 @@ class ReadTailsWorker:
         # Its first item leaves it as soon as its launch returned.
         self._taken: list[LayerWork] = []
         self._warned_reference = False
+        # Armed by contain_started where the READs had not landed: each
+        # layer's tails zeroed on the reference path at its wait.
+        self._on_reference = ReferenceLayers()
 
     def register(self, sets: list[CacheSet]) -> None:
         self._released = None
@@ -72,6 +77,7 @@ class ReadTailsWorker:
     def release(self) -> None:
         self._released, self._by_layer = self._by_layer, None
         self._taken = []
+        self._on_reference.clear()
 
     def restore(self) -> None:
         self._by_layer, self._released = self._released, None
@@ -81,6 +87,14 @@ class ReadTailsWorker:
         self._released = None
 
     def bind(self, read_loads: Iterable[LoadRecord]) -> None:
+        if self._on_reference.layers:
+            # A step that ended without end_step: zeroed later, they could
+            # wipe KV written since.
+            logger.error(
+                "KVTailConnector: READ tails of %s left stale (their step ended early)",
+                _names(self._on_reference.owners),
+            )
+            self._on_reference.clear()
         self._read_loads.extend(read_loads)
 
     @property
@@ -139,6 +153,8 @@ class ReadTailsWorker:
         landed and its attention has not run; zero its READ tails."""
         by_layer = self._by_layer
         if by_layer is None or not by_layer.pending:
+            if self._on_reference.layers:
+                self._zero_on_reference_at_wait(layer_name)
             return
         taken: list[LayerWork] = []
         self._taken = taken  # nothing of an earlier call's, whatever it raised
@@ -153,6 +169,8 @@ class ReadTailsWorker:
         after their first read, but never wipes valid KV: the zeroing starts
         at the producer's prompt length, past which this step wrote only the
         rows vLLM pads a new decode with (draft id -1, always rejected)."""
+        if self._on_reference.layers:
+            self._zero_on_reference_left()
         by_layer = self._by_layer
         if by_layer is None:
             return
@@ -217,10 +235,25 @@ class ReadTailsWorker:
         if self._by_layer is not None:
             self._by_layer.reset()
         rank = self._rank
-        if not landed or rank.released:
+        if rank.released:
             logger.error(
-                "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
-                ", ".join(r.req_id for r in records),
+                "KVTailConnector: READ tails of %s not zeroed (the KV cache is released)",
+                _names(r.req_id for r in records),
+            )
+            return
+        if not landed and self._by_layer is not None:
+            # Each layer's READs land at its wait, before its attention.
+            try:
+                self._on_reference.arm(rank.sets, [(r.req_id, rank.tail_items(r)) for r in records])
+            except Exception:
+                self._on_reference.clear()
+                logger.error(
+                    "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
+                    _names(r.req_id for r in records),
+                )
+                raise
+            self._warn_reference(
+                _names(r.req_id for r in records), "each layer once its READs land"
             )
             return
         done = 0
@@ -243,7 +276,7 @@ class ReadTailsWorker:
             if done < len(records):
                 logger.error(
                     "KVTailConnector: READ tails of %s may be left stale",
-                    ", ".join(r.req_id for r in records[done:]),
+                    _names(r.req_id for r in records[done:]),
                 )
 
     def contain_layer_loaded(self) -> None:
@@ -300,6 +333,45 @@ class ReadTailsWorker:
                     _owners(works),
                 )
 
+    def _zero_on_reference_at_wait(self, layer_name: str) -> None:
+        """``layer_name``'s READs have landed: its armed tails, on the reference
+        path, before its attention (the fence's event recorded behind)."""
+        reference = self._on_reference
+        owners = reference.owners
+        try:
+            reference.zero(layer_name)
+        except Exception:
+            logger.error(
+                "KVTailConnector: READ tails of %s may be left stale (%s)",
+                _names(owners),
+                layer_name,
+            )
+            raise
+        finally:
+            self._rank.mark_zeroed()
+
+    def _zero_on_reference_left(self) -> None:
+        """After the forward: the armed layers whose wait never ran."""
+        reference = self._on_reference
+        owners = reference.owners
+        try:
+            reference.zero_rest()
+        except Exception:
+            logger.error(
+                "KVTailConnector: READ tails of %s may be left stale (after the forward)",
+                _names(owners),
+            )
+            raise
+        finally:
+            reference.clear()
+            self._rank.mark_zeroed()
+
+    def _warn_reference(self, owners: str, where: str) -> None:
+        # Once at WARNING: a failure that repeats repeats every layer, every step.
+        log = logger.debug if self._warned_reference else logger.warning
+        self._warned_reference = True
+        log("KVTailConnector: READ tails of %s zeroed on the reference path (%s)", owners, where)
+
     def _zero_on_reference(self, by_layer: ReadTailsByLayer, works: list[LayerWork]) -> None:
         """Zero ``works`` on the reference path, on the current stream (an event
         recorded by ``by_layer.record_done`` covers it); bytes counted."""
@@ -315,17 +387,10 @@ class ReadTailsWorker:
                 pages_per_block=layer.pages_per_block,
             )
             self._layer_bytes += by_layer.nbytes(work)
-            # Once at WARNING: a failure that repeats repeats every layer, every step.
-            log = logger.debug if self._warned_reference else logger.warning
-            self._warned_reference = True
-            log(
-                "KVTailConnector: READ tails of %s in %s zeroed on the reference path",
-                _owners([work]),
-                layer.layer_names[0],
-            )
+            self._warn_reference(_owners([work]), layer.layer_names[0])
 
     def held(self) -> set[str]:
-        held = {r.req_id for r in self._read_loads}
+        held = {r.req_id for r in self._read_loads} | self._on_reference.owners
         if self._by_layer is not None:
             held |= self._by_layer.owners_pending()
         return held
@@ -333,9 +398,14 @@ class ReadTailsWorker:
     @property
     def num_tracked(self) -> int:
         waiting_layers = self._by_layer.num_pending if self._by_layer is not None else 0
-        return len(self._read_loads) + waiting_layers
+        return len(self._read_loads) + waiting_layers + self._on_reference.num_pending
+
+
+def _names(req_ids: Iterable[str]) -> str:
+    """Request ids for a log line, in a stable order."""
+    return ", ".join(sorted(set(req_ids)))
 
 
 def _owners(works: list[LayerWork]) -> str:
     """The requests whose READ tails ``works`` zero, for a log line."""
-    return ", ".join(sorted({owner for work in works for owner in work.armed.owners}))
+    return _names(owner for work in works for owner in work.armed.owners)
