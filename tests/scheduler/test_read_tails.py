@@ -289,6 +289,29 @@ def test_reads_not_landed_are_zeroed_by_the_fallback_layer_by_layer_as_they_land
     assert s.worker.held_requests() == 0
 
 
+def test_the_fallback_holds_nothing_for_reads_without_a_tail_or_after_a_failing_last_layer(
+    setup, monkeypatch
+):
+    from kvtail_connector.features.read_tails import on_reference
+
+    s = setup
+    records = s.worker.read_loads
+    aligned = LoadRecord("z", 0, 32, (GroupLoad(0, 0, (4, 2)),))  # block-aligned: no tail
+    s.worker.contain_reads([aligned], landed=False)
+    assert s.worker.num_tracked == 0 and s.worker.held_requests() == 0
+    s.worker.contain_reads(records, landed=False)
+    for name in LAYERS[:-1]:
+        s.worker.layer_loaded(name)
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", broken)
+    with pytest.raises(RuntimeError):
+        s.worker.layer_loaded(LAYERS[-1])
+    assert s.worker.num_tracked == 0 and s.worker.held_requests() == 0
+
+
 def test_fallback_layers_left_by_a_step_without_end_step_are_dropped_at_the_next_bind(
     setup, caplog
 ):

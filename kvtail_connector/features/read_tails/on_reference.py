@@ -43,6 +43,8 @@ class ReferenceLayers:
         for index in tails:
             for k, name in enumerate(sets[index].layer_names):
                 layers.setdefault(name, []).append((index, k))
+        if not layers:  # no tail on this rank: nothing held
+            owners = set()
         self._sets, self._tails, self.layers, self.owners = sets, tails, layers, owners
 
     @property
@@ -57,15 +59,17 @@ class ReferenceLayers:
         places = self.layers.pop(layer_name, None)
         if places is None:
             return False
-        for index, k in places:
-            cache_set = self._sets[index]
-            reference_zero_kv_blocks(
-                [cache_set.caches[k]],
-                tails=self._tails[index],
-                pages_per_block=cache_set.pages_per_block,
-            )
-        if not self.layers:
-            self.clear()
+        try:
+            for index, k in places:
+                cache_set = self._sets[index]
+                reference_zero_kv_blocks(
+                    [cache_set.caches[k]],
+                    tails=self._tails[index],
+                    pages_per_block=cache_set.pages_per_block,
+                )
+        finally:
+            if not self.layers:
+                self.clear()
         return True
 
     def zero_rest(self) -> None:

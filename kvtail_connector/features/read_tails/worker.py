@@ -224,13 +224,14 @@ class ReadTailsWorker:
     # ------------------------------------------------- contained failures
 
     def contain_started(self, records: list[LoadRecord], landed: bool) -> None:
-        """``started`` failed. Where every READ has landed (``landed``), zero
-        the records' tails now, before the forward, on the reference path
-        (slow, exact, independent of the zeroer's kernels and work lines);
-        otherwise a READ may still land over a zeroing, so nothing is zeroed
-        (the ERROR says so). Forget this step's READ work either way, armed
-        or staged per layer too: left there, a later step would zero these
-        tails over KV written since."""
+        """``started`` failed. Zero the records' tails on the reference path
+        (slow, exact, independent of the zeroer's kernels and work lines):
+        where the READs land layer by layer and had not landed (``landed``
+        false), each layer's at its wait, as the per-layer launches would
+        have (:class:`ReferenceLayers`); otherwise now, before the forward,
+        as ``started`` would have. Forget this step's READ work armed or
+        staged per layer: left there, a later step would zero these tails
+        over KV written since."""
         self._read_loads = []
         if self._by_layer is not None:
             self._by_layer.reset()
