@@ -73,9 +73,13 @@ class ReferenceLayers:
         return True
 
     def zero_rest(self) -> None:
-        """Zero every layer left (its wait never ran)."""
-        for name in list(self.layers):
-            self.zero(name)
+        """Zero every layer left (its wait never ran); nothing is left armed,
+        even should one raise."""
+        try:
+            for name in list(self.layers):
+                self.zero(name)
+        finally:
+            self.clear()
 
     def clear(self) -> None:
         self._sets, self._tails, self.layers, self.owners = [], {}, {}, set()

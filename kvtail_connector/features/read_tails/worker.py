@@ -11,7 +11,7 @@ launches failed, :mod:`~kvtail_connector.features.read_tails.on_reference`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -153,8 +153,9 @@ class ReadTailsWorker:
         landed and its attention has not run; zero its READ tails."""
         by_layer = self._by_layer
         if by_layer is None or not by_layer.pending:
-            if self._on_reference.layers:
-                self._zero_on_reference_at_wait(layer_name)
+            reference = self._on_reference
+            if reference.layers:  # its READs landed, its attention not run yet
+                self._zero_armed(lambda: reference.zero(layer_name), layer_name)
             return
         taken: list[LayerWork] = []
         self._taken = taken  # nothing of an earlier call's, whatever it raised
@@ -170,7 +171,7 @@ class ReadTailsWorker:
         at the producer's prompt length, past which this step wrote only the
         rows vLLM pads a new decode with (draft id -1, always rejected)."""
         if self._on_reference.layers:
-            self._zero_on_reference_left()
+            self._zero_armed(self._on_reference.zero_rest, "after the forward")
         by_layer = self._by_layer
         if by_layer is None:
             return
@@ -334,37 +335,19 @@ class ReadTailsWorker:
                     _owners(works),
                 )
 
-    def _zero_on_reference_at_wait(self, layer_name: str) -> None:
-        """``layer_name``'s READs have landed: its armed tails, on the reference
-        path, before its attention (the fence's event recorded behind)."""
-        reference = self._on_reference
-        owners = reference.owners
+    def _zero_armed(self, zero: Callable[[], object], where: str) -> None:
+        """``zero()`` the armed tails of :class:`ReferenceLayers` (``where``:
+        which, for the log); the fence's event recorded behind, even where
+        it fails partway."""
+        owners = self._on_reference.owners
         try:
-            reference.zero(layer_name)
+            zero()
         except Exception:
             logger.error(
-                "KVTailConnector: READ tails of %s may be left stale (%s)",
-                _names(owners),
-                layer_name,
+                "KVTailConnector: READ tails of %s may be left stale (%s)", _names(owners), where
             )
             raise
         finally:
-            self._rank.mark_zeroed()
-
-    def _zero_on_reference_left(self) -> None:
-        """After the forward: the armed layers whose wait never ran."""
-        reference = self._on_reference
-        owners = reference.owners
-        try:
-            reference.zero_rest()
-        except Exception:
-            logger.error(
-                "KVTailConnector: READ tails of %s may be left stale (after the forward)",
-                _names(owners),
-            )
-            raise
-        finally:
-            reference.clear()
             self._rank.mark_zeroed()
 
     def _warn_reference(self, owners: str, where: str) -> None:
