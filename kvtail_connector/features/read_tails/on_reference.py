@@ -52,13 +52,13 @@ class ReferenceLayers:
         """Layers with tails still to zero."""
         return len(self.layers)
 
-    def zero(self, layer_name: str) -> bool:
-        """Zero ``layer_name``'s tails, on the current stream; False where it
-        has none left. Forgotten first: should this raise, it is not zeroed
-        again later, over KV written since."""
+    def zero(self, layer_name: str) -> None:
+        """Zero ``layer_name``'s tails (if it has any left), on the current
+        stream. Forgotten first: should this raise, it is not zeroed again
+        later, over KV written since."""
         places = self.layers.pop(layer_name, None)
         if places is None:
-            return False
+            return
         try:
             for index, k in places:
                 cache_set = self._sets[index]
@@ -70,7 +70,6 @@ class ReferenceLayers:
         finally:
             if not self.layers:
                 self.clear()
-        return True
 
     def zero_rest(self) -> None:
         """Zero every layer left (its wait never ran); nothing is left armed,
