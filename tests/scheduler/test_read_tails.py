@@ -55,6 +55,11 @@ def _land_read(view: torch.Tensor, seed: int) -> None:
         view[block, :, -1, 0] = float("nan")  # at least one NaN in each tail
 
 
+def _broken(*_a: object, **_k: object) -> None:
+    """Stands in for a zeroing that fails."""
+    raise RuntimeError("injected")
+
+
 def _expected(
     s: SimpleNamespace, zeroed: list[str], backing: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -191,10 +196,7 @@ def test_when_the_launch_fails_the_landed_tails_are_zeroed_on_the_reference_path
     expected = _expected(s, list(LAYERS))
     records = s.worker.read_loads
 
-    def broken(*_a: object, **_k: object) -> None:
-        raise RuntimeError("injected")
-
-    s.worker._rank.zero = broken
+    s.worker._rank.zero = _broken
     with pytest.raises(RuntimeError):
         s.worker.reads_started(landed=True)
     # The fence's event is taken once the tails are zeroed (on a GPU it is
@@ -303,10 +305,7 @@ def test_the_fallback_holds_nothing_for_reads_without_a_tail_or_after_a_failing_
     for name in LAYERS[:-1]:
         s.worker.layer_loaded(name)
 
-    def broken(*_a: object, **_k: object) -> None:
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", broken)
+    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", _broken)
     with pytest.raises(RuntimeError):
         s.worker.layer_loaded(LAYERS[-1])
     assert s.worker.num_tracked == 0 and s.worker.held_requests() == 0
@@ -336,10 +335,7 @@ def test_a_fallback_layer_that_fails_at_its_wait_is_not_zeroed_again_later(
     s = setup
     s.worker.contain_reads(s.worker.read_loads, landed=False)
 
-    def broken(*_a: object, **_k: object) -> None:
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", broken)
+    monkeypatch.setattr(on_reference, "reference_zero_kv_blocks", _broken)
     with pytest.raises(RuntimeError):
         s.worker.layer_loaded(LAYERS[0])
     assert f"READ tails of a, b may be left stale ({LAYERS[0]})" in caplog.text
