@@ -3,20 +3,45 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 from .base import InnerAdapter
 
 
+def runs_read_mode(inner_extra_config: dict[str, Any]) -> bool:
+    """Whether MoRIIO runs in READ mode with this ``kv_connector_extra_config``,
+    as MoRIIO decides it: by vLLM's own ``get_moriio_mode`` (the same function
+    and module path in 0.32, 0.33 and 0.34), never by a copy of its parsing,
+    which can drift (0.32's strips spaces: ``"true "`` is READ).
+
+    ``get_moriio_mode`` reads only ``kv_connector_extra_config`` of the
+    ``KVTransferConfig`` it is given, so a stand-in carrying that field (the
+    adapter has no transfer config) gets the answer MoRIIO gets."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common import (
+        MoRIIOMode,
+        get_moriio_mode,
+    )
+
+    config: Any = SimpleNamespace(kv_connector_extra_config=inner_extra_config)
+    return bool(get_moriio_mode(config) == MoRIIOMode.READ)
+
+
 class MoRIIOAdapter(InnerAdapter):
     """In READ mode the load is synchronous, so vLLM records its destination
     blocks for zeroing; the zeroing kernel can run after the RDMA READ landed.
-    The wrapper drops READ destinations from ``new_block_ids_to_zero``."""
+    The wrapper drops READ destinations from ``new_block_ids_to_zero``.
+
+    The mode is decided once, at construction, by :func:`runs_read_mode`
+    (a MultiConnector asks each child's adapter every step)."""
+
+    def __init__(self, inner_extra_config: dict[str, Any]) -> None:
+        super().__init__(inner_extra_config)
+        self._read = runs_read_mode(inner_extra_config)
 
     @property
     def sync_read(self) -> bool:
-        # vLLM's get_moriio_mode: READ iff read_mode is "true" or "1".
-        return str(self.inner_extra_config.get("read_mode", "false")).lower() in ("true", "1")
+        return self._read
 
     @property
     def writes_past_the_fence(self) -> bool:

@@ -20,13 +20,14 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
 ``wait_for_layer_load`` / ``clear_connector_metadata``
     READ tails per layer (0.32), then what is left after the forward.
 ``get_transfer_results`` (:meth:`TailWorker.transfer_results`)
+    first a pass that never answered (it and its fallback failed) is settled;
     consumer tails note aborted loads; for the loads completing: load errors
     (invalid blocks fetched and settled), consumer tails (aborted ones
     dropped), verification (digests launched), load errors (failed loads'
     blocks), consumer tails, producer claims (vouched tails checked), then
     one launch for all of it; then the holds: consumer tails (zeroing not
     executed), verification (digest not compared), load errors (loads to
-    report failed).
+    report failed, and completions a failed pass left owed).
 ``build_connector_worker_meta`` (:meth:`TailWorker.worker_meta`)
     producer claims (tails zeroed, false claims found), verification (sums,
     verdicts).
@@ -51,10 +52,24 @@ from kvtail_connector.features.zeroing import RankPlacement, RankZeroing, Zeroin
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.pages import PLAIN_ENGINE, EngineFacts
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
+
+
+def every_completion_failed(results: KVConnectorTransferResults) -> KVConnectorTransferResults:
+    """The facade's last answer to a completion pass whose fallback failed too:
+    every completion of the inner connector's ``results`` reported failed,
+    nothing else. The worker's next pass settles what that answer reported
+    (:meth:`TailWorker.transfer_results`), so that no completion is reported
+    twice or never: building it needs nothing of the worker, and cannot fail."""
+    return KVConnectorTransferResults(
+        finished_sending=results.finished_sending,
+        finished_recving=results.finished_recving,
+        failed_recving=set(results.failed_recving) | set(results.finished_recving),
+    )
 
 
 class TailWorker:
@@ -120,7 +135,15 @@ class TailWorker:
         kv_caches: Mapping[str, Any],
         kv_cache_config: Any,
         layer_objects: Mapping[str, Any] | None = None,
+        engine: EngineFacts = PLAIN_ENGINE,
     ) -> None:
+        """Map every attention layer's page (``pages``: refused at start-up
+        where a layout is not known) and build this rank's zeroer.
+
+        Args:
+            layer_objects: ``static_forward_context``: each layer's backend.
+            engine: what the engine's configuration says about its writers.
+        """
         rank = self._rank
         rank.forget_released()  # new caches supersede any put away by sleep mode
         for part in (self._reads, self._verify):
@@ -128,7 +151,7 @@ class TailWorker:
                 part.forget_released()
         if not self._policy.needs_caches:
             return
-        sets = cache_sets(kv_caches, kv_cache_config, rank.groups, layer_objects)
+        sets = cache_sets(kv_caches, kv_cache_config, rank.groups, layer_objects, engine)
         if not sets:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
             return
@@ -266,13 +289,24 @@ class TailWorker:
         """The runner's ``get_transfer_results``: the inner connector's
         ``results``, after zeroing what completed, with completions held back
         while their zeroing has not executed (``holds_completions``) and,
-        with ``verify_kv``, while their digest is not on the host."""
+        with ``verify_kv``, while their digest is not on the host.
+
+        Every completion reaches vLLM exactly once, whatever failed before:
+        a pass that raised is answered by :meth:`contain_transfer_results`,
+        and one whose fallback raised too by the facade
+        (:func:`every_completion_failed`), which this pass settles first
+        (:meth:`_settle_unanswered`); completions owed since then are
+        reported failed here."""
+        errors = self._errors
+        if errors.unanswered is not None:
+            self._settle_unanswered()
         verify = self._verify
-        if not (results.finished_recving or finished_req_ids or self._tails.num_held) and (
-            verify is None or verify.idle
-        ):
+        if not (
+            results.finished_recving or finished_req_ids or self._tails.num_held or errors.owes
+        ) and (verify is None or verify.idle):
             # The usual pass: nothing completed or finished, nothing held.
             return results
+        errors.begin(results, finished_req_ids)
         self._tails.finished(finished_req_ids)
         zeroed: set[str] = set()
         if results.finished_recving:
@@ -282,13 +316,19 @@ class TailWorker:
         results = self._tails.hold(results, zeroed)
         if verify is not None:
             results = verify.hold(results)
-        results = self._errors.report_failing(results, finished_req_ids)
+        results = errors.report_failing(results, finished_req_ids)
         # Returned to vLLM: a later failed pass need not report these again
         # (until here, contain_transfer_results does).
-        self._tails.reported()
-        if verify is not None:
-            verify.reported()
+        self._answered()
         return results
+
+    def _answered(self) -> None:
+        """The answer of the pass in progress leaves this worker: what its
+        holds released, and what was owed, has reached vLLM."""
+        self._tails.reported()
+        if self._verify is not None:
+            self._verify.reported()
+        self._errors.answered()
 
     def on_transfer_results(
         self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
@@ -435,22 +475,60 @@ class TailWorker:
         hand the blocks to a new owner at once). So is every completion a
         hold released in this pass before it failed: nothing else would ever
         report it, and vLLM would wait for it forever (the holds keep them
-        until told they were reported). State for them is dropped."""
-        event = self._rank.last_zeroing
-        if event is not None:
-            event.synchronize()
+        until told they were reported). State for them is dropped.
+
+        Where this fails too, the facade reports this pass's own completions
+        failed (:func:`every_completion_failed`); what a hold had given up by
+        then is owed, and the next pass settles the rest."""
+        errors = self._errors
+        unanswered = errors.unanswered
+        if unanswered is not None and unanswered.results is not results:
+            # transfer_results failed while settling an earlier pass.
+            self._settle_unanswered()
+        errors.begin(results, finished_req_ids)
         done = set(results.finished_recving)
-        done |= self._tails.drain()
-        if self._verify is not None:
-            done |= self._verify.drop_held()
-        done |= self._errors.failing_among(results.finished_recving)
+        self._take_holds(done)
+        done |= errors.owed
         self._tails.drop(done)
-        self._errors.forget(done, finished_req_ids)
+        errors.forget(done, finished_req_ids)
+        self._answered()
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
             finished_recving=done,
             failed_recving=set(results.failed_recving) | done,
         )
+
+    def _settle_unanswered(self) -> None:
+        """The last pass never answered: it failed, its fallback failed too,
+        and the facade reported exactly that pass's completions failed
+        (:func:`every_completion_failed`). Those are forgotten everywhere, so
+        that no hold releases one again (vLLM asserts on a completion it has
+        seen, and at TP > 1 miscounts the ranks'); every other completion a
+        hold keeps, or released in that pass, is owed: reported failed by the
+        next answer, as that pass's fallback would have."""
+        errors = self._errors
+        unanswered = errors.unanswered
+        assert unanswered is not None
+        reported = set(unanswered.results.finished_recving)
+        self._tails.finished(unanswered.finished_req_ids)
+        self._take_holds(reported)
+        forgotten = reported | errors.owed
+        self._tails.drop(forgotten)
+        errors.forget(forgotten, unanswered.finished_req_ids)
+        errors.settled()
+
+    def _take_holds(self, reported: set[str]) -> None:
+        """Every completion a hold keeps, or released without it reaching
+        vLLM, taken out once the zeroing launched so far has executed, and
+        owed but those in ``reported`` (answered already: forgotten). Moved
+        hold by hold: where a later hold raises, what an earlier one gave up
+        is owed already, and nothing is taken before the wait returned."""
+        event = self._rank.last_zeroing
+        if event is not None:
+            event.synchronize()
+        self._errors.owe(self._tails.drain() - reported)
+        if self._verify is not None:
+            self._errors.owe(self._verify.drop_held() - reported)
 
     def _drop_producer_work(self) -> None:
         if self._claims is not None:
@@ -462,7 +540,7 @@ class TailWorker:
 
     def held_requests(self) -> int:
         """Requests this worker holds state for (the ``held_requests`` gauge)."""
-        held = self._tails.held()
+        held = self._tails.held() | self._errors.held()
         for part in (self._reads, self._claims, self._verify):
             if part is not None:
                 held |= part.held()

@@ -27,7 +27,7 @@ from tests.helpers.vllm_factories import (
 )
 from tests.scheduler.test_observability import registry_metric_types
 
-UNSUPPORTED = ["0.34.0", "0.31.2", "1.0.0", "0.1.dev5+g1a2b3c4", "dev"]
+UNSUPPORTED = ["0.35.0", "0.31.2", "1.0.0", "0.1.dev5+g1a2b3c4", "dev"]
 
 
 @pytest.fixture
@@ -78,10 +78,12 @@ def test_unsupported_vllm_registers_and_warns_once(
     plugin.register()
     assert "KVTailConnector" in KVConnectorFactory._registry
     (warning,) = kvtail_warnings()
-    assert "vLLM 0.32.x and 0.33.x" in warning and f"installed vLLM is {version}" in warning
+    assert "vLLM 0.32.x, 0.33.x and 0.34.x" in warning and f"installed vLLM is {version}" in warning
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.1", "0.33.0rc1", "0.32.1.dev3+gabc"])
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.33.1", "0.33.0rc1", "0.32.1.dev3+gabc", "0.34.0", "0.34.2"]
+)
 def test_supported_vllm_registers_silently(
     version, monkeypatch, fresh_plugin_state, kvtail_warnings
 ):
@@ -96,11 +98,11 @@ def test_plain_engine_args_survive_an_unsupported_vllm(
 ):
     # vLLM loads general plugins from EngineArgs.__post_init__, without a try.
     monkeypatch.setenv("VLLM_PLUGINS", "kvtail")
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
     EngineArgs(model=tiny_model_dir(), skip_tokenizer_init=True)
     assert vllm.plugins.plugins_loaded
     assert "KVTailConnector" in KVConnectorFactory._registry  # the plugin did run
-    assert any("installed vLLM is 0.34.0" in w for w in kvtail_warnings())
+    assert any("installed vLLM is 0.35.0" in w for w in kvtail_warnings())
 
 
 def test_the_connector_refuses_an_unsupported_vllm_with_one_message(monkeypatch):
@@ -108,8 +110,8 @@ def test_the_connector_refuses_an_unsupported_vllm_with_one_message(monkeypatch)
         **wrapper_fields({"backend": "NixlConnector"}),
     )
     ktc = vllm_config.kv_transfer_config
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
-    expected = r"supports vLLM 0\.32\.x and 0\.33\.x; the installed vLLM is 0\.34\.0"
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    expected = r"supports vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x; the installed vLLM is 0\.35\.0"
     with pytest.raises(_compat.UnsupportedVLLMError, match=expected):
         KVTailConnector(
             vllm_config,

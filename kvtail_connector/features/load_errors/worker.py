@@ -12,18 +12,32 @@ scheduler side), or that completed while sleep mode had released the KV
 cache, is reported in ``failed_recving`` with its completion: vLLM's
 contract has a failed load reported finished too, and its failure policy then
 applies instead of a read of a tail nobody zeroed.
+
+Each completion reaches vLLM once, also across failed passes: the pass in
+progress is kept until its answer leaves the worker (:meth:`LoadErrorsWorker.begin`,
+:meth:`LoadErrorsWorker.answered`), so that the next pass can settle one the
+facade had to answer itself; completions a failed pass took out of a hold
+without reporting them are owed (:meth:`LoadErrorsWorker.owe`), reported
+failed by the next answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.features.load_errors.ledger import InFlight, LoadErrorLedger
 from kvtail_connector.features.zeroing import Item, RankZeroing
 from kvtail_connector.metadata import LoadRecord
+
+
+class CompletionPass(NamedTuple):
+    """A completion pass whose answer has not left the worker yet."""
+
+    results: KVConnectorTransferResults  # the inner connector's
+    finished_req_ids: set[str]
 
 
 class LoadErrorsWorker:
@@ -34,6 +48,9 @@ class LoadErrorsWorker:
         self._ledger = LoadErrorLedger(in_flight)
         # Loads to report failed when they complete.
         self._failing: set[str] = set()
+        # Completions taken out of a hold that no answer has carried yet.
+        self._owed: set[str] = set()
+        self._open: CompletionPass | None = None
 
     def bind(self, loads: Iterable[LoadRecord], failing: Iterable[str]) -> None:
         """This step's async loads, tracked; ``failing``: loads the scheduler
@@ -81,19 +98,21 @@ class LoadErrorsWorker:
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
         """Loads to report failed that complete now go in ``failed_recving``
-        too; a request that finished without completing a load is forgotten."""
-        if not self._failing:
+        too; a request that finished without completing a load is forgotten.
+        Owed completions go in both sets (kept until :meth:`answered`)."""
+        owed = self._owed
+        if not (self._failing or owed):
             return results
         now = self._failing.intersection(results.finished_recving)
         self._failing.difference_update(now)
         if finished_req_ids:
             self._failing.difference_update(finished_req_ids)
-        if not now:
+        if not (now or owed):
             return results
         return KVConnectorTransferResults(
             finished_sending=results.finished_sending,
-            finished_recving=results.finished_recving,
-            failed_recving=set(results.failed_recving) | now,
+            finished_recving=set(results.finished_recving) | owed,
+            failed_recving=set(results.failed_recving) | now | owed,
         )
 
     def take(self, inner: Any) -> set[int]:
@@ -102,14 +121,53 @@ class LoadErrorsWorker:
         for the load in flight that writes the block."""
         return self._ledger.take(inner)
 
+    # ----------------------------------------------- the pass and its answer
+
+    def begin(self, results: KVConnectorTransferResults, finished_req_ids: set[str]) -> None:
+        """A completion pass starts on the inner connector's ``results``: kept
+        until :meth:`answered`. A pass still kept when the next begins never
+        answered (it and its fallback failed): see :attr:`unanswered`."""
+        self._open = CompletionPass(results, finished_req_ids)
+
+    @property
+    def unanswered(self) -> CompletionPass | None:
+        """The pass in progress, or, seen at the start of a pass, the last one,
+        whose answer never left the worker: the facade then reported exactly
+        its completions failed (``every_completion_failed``)."""
+        return self._open
+
+    def settled(self) -> None:
+        """The unanswered pass was settled (its completions forgotten)."""
+        self._open = None
+
+    def owe(self, req_ids: Iterable[str]) -> None:
+        """Completions taken out of a hold and never reported: the next
+        answer reports them failed."""
+        self._owed.update(req_ids)
+
+    @property
+    def owed(self) -> set[str]:
+        """The completions owed (a copy)."""
+        return set(self._owed)
+
+    @property
+    def owes(self) -> bool:
+        return bool(self._owed)
+
+    def answered(self) -> None:
+        """The pass's answer leaves the worker, the owed completions in it."""
+        self._owed = set()
+        self._open = None
+
+    def held(self) -> set[str]:
+        """Requests this part holds for: the completions owed."""
+        return set(self._owed)
+
     # ------------------------------------------------- contained failures
 
     def drain(self) -> set[int]:
         """``take`` failed: the ids fetched so far, unattributed."""
         return self._ledger.drain()
-
-    def failing_among(self, req_ids: Iterable[str]) -> set[str]:
-        return self._failing.intersection(req_ids)
 
     def forget(self, req_ids: Iterable[str], finished_req_ids: set[str]) -> None:
         """After a contained failure at completion: ``req_ids`` were reported
@@ -122,7 +180,8 @@ class LoadErrorsWorker:
 
     @property
     def num_tracked(self) -> int:
-        return self._ledger.num_tracked + len(self._failing)
+        unanswered = self._open is not None
+        return self._ledger.num_tracked + len(self._failing) + len(self._owed) + unanswered
 
 
 def _first_invalid(record: LoadRecord, invalid: set[int]) -> tuple[int, int] | None:
