@@ -42,7 +42,7 @@ REPS = 200
 
 
 def _cpu_attn(isa: str) -> list[RegionCache]:
-    from kvtail_connector import cpu_pages
+    from kvtail_connector.pages import cpu as cpu_pages
 
     dtype = torch.float32 if isa == "vec" else torch.bfloat16
     writer = None

@@ -12,7 +12,7 @@ row-major (``[N, D]``) (csrc/cpu/cpu_attn_vec.hpp). Rather than re-encode each
 packing, this module asks the backend's own cache writer
 (``cpu_attn_reshape_and_cache``) to write each slot of a scratch page once and
 records which elements changed: an "owner" map, element -> slot. The package
-learns its zeroing regions the same way (``kvtail_connector.cpu_pages``); this
+learns its zeroing regions the same way (``kvtail_connector.pages.cpu``); this
 copy is kept independent on purpose, as the tests' oracle.
 """
 

@@ -83,7 +83,7 @@ def write(
 
 def page_writer(isa: str) -> Callable[..., None]:
     """A stand-in for ``cpu_attn_reshape_and_cache`` with the synthetic
-    ``isa`` layout (the signature ``kvtail_connector.cpu_pages`` calls)."""
+    ``isa`` layout (the signature ``kvtail_connector.pages.cpu`` calls)."""
 
     def write_page(
         key: torch.Tensor,

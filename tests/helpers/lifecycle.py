@@ -57,7 +57,7 @@ class Harness:
         assert isinstance(self.scheduler.connector, KVTailConnector)
         assert isinstance(self.worker, KVTailConnector)
         self.caches = allocate(self.kv_cache_config)
-        self.worker.register_kv_caches(self.caches.views)
+        self.worker.register_kv_caches(self.caches.publish(self.vllm_config))
         self.metas: list[KVTailMetadata] = []
         # What the worker and the scheduler side reported, summed (the
         # held_requests gauge: as last reported, per side).

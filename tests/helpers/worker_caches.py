@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
@@ -30,16 +31,35 @@ POISON = float("nan")
 
 
 @dataclass
+class LayerDouble:
+    """A layer object as ``static_forward_context`` holds it, as far as the
+    page maps read it: its attention backend and cache dtype."""
+
+    attn_backend: type = FlashAttentionBackend
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass
 class WorkerCaches:
     views: dict[str, torch.Tensor]  # layer name -> [B, H, N, C]
     raw: dict[int, torch.Tensor]  # group id -> int8 backing
+    layers: dict[str, Any]  # layer name -> its layer object (a LayerDouble)
+
+    def publish(self, vllm_config: Any) -> dict[str, torch.Tensor]:
+        """Put the layer objects where vLLM keeps them for the facade
+        (``static_forward_context``); returns the views to register."""
+        vllm_config.compilation_config.static_forward_context.update(self.layers)
+        return self.views
 
 
 def allocate(
     kv_cache_config: KVCacheConfig,
     layout: KVCacheLayout = KVCacheLayout.LBHNC,
     kernel_block_sizes: dict[int, int] | None = None,
+    backend: type = FlashAttentionBackend,
 ) -> WorkerCaches:
+    """Every attention layer's view, as vLLM allocates them, and a layer object
+    per layer whose pages ``backend`` writes (FLASH_ATTN: plain pages)."""
     views: dict[str, torch.Tensor] = {}
     raws: dict[int, torch.Tensor] = {}
     num_blocks = kv_cache_config.num_blocks
@@ -67,7 +87,7 @@ def allocate(
                 view.fill_(0x7F)
             views[name] = view
         raws[gid] = raw
-    return WorkerCaches(views, raws)
+    return WorkerCaches(views, raws, {name: LayerDouble(backend) for name in views})
 
 
 def tail_policy(**duties: bool) -> TailPolicy:

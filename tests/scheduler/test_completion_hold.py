@@ -43,7 +43,7 @@ def _worker(monkeypatch, event: _Event, hold: bool, zero_failed: bool = False):
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     worker = make_tail_worker(kv, holds_completions=hold, zeroes_failed_loads=zero_failed)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # a tail: zeroed
         LoadRecord("b", 0, 32, (GroupLoad(0, 0, (3, 4)),)),  # block-aligned: nothing

@@ -301,7 +301,7 @@ def test_a_failed_bind_keeps_the_steps_read_loads(monkeypatch):
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     meta = KVTailMetadata(
         inner=None,  # type: ignore[arg-type]
         loads=(LoadRecord("async", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),),
@@ -358,7 +358,7 @@ def test_a_completion_released_by_the_hold_in_a_failed_pass_is_reported(monkeypa
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     worker = make_tail_worker(kv, holds_completions=True)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),
         LoadRecord("b", 0, 21, (GroupLoad(0, 0, (3, 4)),)),
@@ -643,7 +643,8 @@ def test_a_device_error_in_a_fallback_is_not_contained(error):
     # get_transfer_results' fallback waits for the zeroing launched so far.
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(allocate(kv).views, kv)
+    caches = allocate(kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     worker._rank.last_zeroing = _BrokenEvent(error)
     results = KVConnectorTransferResults(finished_recving={"a"})
     with pytest.raises(type(error)) as caught:
@@ -675,7 +676,8 @@ def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     stats = KVTailStats()
     worker = make_tail_worker(kv, checks_claims=True, trusts_load_claims=True, stats=stats)
-    worker.register_kv_caches(allocate(kv).views, kv)
+    caches = allocate(kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
 
     def load(req_id: str, blocks: tuple[int, ...], vouched: bool) -> KVTailMetadata:
         record = LoadRecord(req_id, 0, 37, (GroupLoad(0, 0, blocks),), vouched=vouched)

@@ -36,7 +36,9 @@ class TPRun:
             patch.setattr(_compat, "counts_requests_on_this_rank", lambda: False, raising=False)
             for _ in range(ranks - 1):
                 worker = make_worker_connector(self.h.vllm_config, self.h.kv_cache_config)
-                worker.register_kv_caches(allocate(self.h.kv_cache_config).views)
+                worker.register_kv_caches(
+                    allocate(self.h.kv_cache_config).publish(self.h.vllm_config)
+                )
                 self.workers.append(worker)
         self.aggregator = KVOutputAggregator(ranks)
         self.totals = dict.fromkeys(COUNTERS, 0)

@@ -50,7 +50,7 @@ class TPConsumer:
                 patch.setattr(_compat, "counts_requests_on_this_rank", lambda: False)
                 w = make_worker_connector(self.h.vllm_config, self.h.kv_cache_config)
             caches = allocate(self.h.kv_cache_config)
-            w.register_kv_caches(caches.views)
+            w.register_kv_caches(caches.publish(self.h.vllm_config))
             self.h._capture(f"worker{rank}", w)
             self.workers.append(w)
             self.caches.append(caches)

@@ -37,7 +37,8 @@ CONTAINERS = (dict, list, set, frozenset, tuple)
 def _worker(policy: TailPolicy) -> TailWorker:
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     worker = TailWorker(group_infos(kv, 1), RankPlacement(), policy, stats=KVTailStats())
-    worker.register_kv_caches(allocate(kv).views, kv)
+    caches = allocate(kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     return worker
 
 

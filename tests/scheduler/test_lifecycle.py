@@ -206,7 +206,7 @@ def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
             tail_policy(),
             stats=KVTailStats(),
         )
-        worker.register_kv_caches(caches.views, scheduler.kv_cache_config)
+        worker.register_kv_caches(caches.views, scheduler.kv_cache_config, caches.layers)
         worker.bind(meta)
         worker.on_transfer_results({"r1"}, set(), inner=ErrorSource())
         valid = dcp_local_valid_slots(2712, rank, 8, 1)

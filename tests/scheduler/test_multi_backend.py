@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.metrics.stats import SchedulerStats
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from kvtail_connector import plugin
@@ -44,7 +44,7 @@ from kvtail_connector.connectors.moriio import MoRIIOAdapter
 from kvtail_connector.connectors.nixl import NixlAdapter
 from kvtail_connector.inner import wrap_kv_transfer_config, wrapper_fields
 from kvtail_connector.stats import KVTailStats, connector_path
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config, runner_output
 from tests.scheduler.test_observability import registry_metric_types
 
 CHILDREN = "kv_connector_extra_config.backend_extra_config.connectors"
@@ -95,11 +95,7 @@ def to_front_end(per_worker: list[Any]) -> dict[str, Any]:
     """Worker stats objects -> what the front end's KVConnectorLogging observes."""
     outputs = []
     for stats in per_worker:  # each worker process pickles its output
-        out = ModelRunnerOutput(
-            req_ids=[],
-            req_id_to_index={},
-            kv_connector_output=KVConnectorOutput(kv_connector_stats=stats),
-        )
+        out = runner_output([], kv_connector_output=KVConnectorOutput(kv_connector_stats=stats))
         outputs.append(pickle.loads(pickle.dumps(out)))
     merged = KVOutputAggregator(len(outputs)).aggregate(outputs)
     assert merged is not None and merged.kv_connector_output is not None

@@ -87,7 +87,7 @@ def _worker_with_poisoned_tail(probe: bool):
     groups = group_infos(kv, 1)
     stats = KVTailStats()
     worker = TailWorker(groups, RankPlacement(), tail_policy(probes=probe), stats=stats)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     for view in caches.views.values():
         view.zero_()
         view[3, :, :5, :] = 1.0  # 5 loaded slots of block 3

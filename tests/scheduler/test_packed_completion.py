@@ -51,7 +51,7 @@ def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkey
         worker = TailWorker(
             infos, RankPlacement(rank, world, interleave), tail_policy(), stats=KVTailStats()
         )
-        worker.register_kv_caches(caches.views, kv)
+        worker.register_kv_caches(caches.views, kv, caches.layers)
         assert worker._rank.launches_packed == (impl == "triton")
         rng = random.Random(7)
         pools = []

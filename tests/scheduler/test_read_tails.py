@@ -41,7 +41,7 @@ def setup():
     caches = allocate(kv)
     stats = KVTailStats()
     worker = make_tail_worker(kv, probes=True, zeroes_reads_by_layer=True, stats=stats)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     return SimpleNamespace(kv=kv, caches=caches, worker=worker, stats=stats)
 
@@ -132,7 +132,7 @@ def test_without_per_layer_support_the_reads_are_zeroed_at_start():
     kv = make_kv_cache_config(block_size=16, num_blocks=8, layer_names=LAYERS)
     caches = allocate(kv)
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     worker.bind(KVTailMetadata(inner=None, read_loads=READS))  # type: ignore[arg-type]
     expected = caches.raw[0].clone()
     reference_zero_kv_blocks(rebase(list(caches.views.values()), expected), (), TAILS)

@@ -138,7 +138,7 @@ def test_caches_registered_while_asleep_are_not_replaced_by_the_old_ones_on_wake
     h = Harness("always")
     h.worker.unregister_kv_caches()
     fresh = allocate(h.kv_cache_config)
-    h.worker.register_kv_caches(fresh.views)  # a new KV cache, registered anew
+    h.worker.register_kv_caches(fresh.publish(h.vllm_config))  # a new KV cache, registered anew
     h.worker.restore_kv_caches()
     h.caches = fresh  # the transport writes into the registered caches
     h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)

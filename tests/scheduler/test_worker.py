@@ -44,7 +44,7 @@ def test_tails_byte_exact_in_every_layout(layout, dtype, zeroer_path):
         raw.copy_(torch.randint(-100, 100, raw.shape, dtype=torch.int8, generator=gen))
     expected = {g: raw.clone() for g, raw in caches.raw.items()}
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     assert worker._rank.launches_packed == (zeroer_path == "triton")
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # tail: block 7, 5 tokens
@@ -64,7 +64,7 @@ def test_null_tail_block_is_skipped():
     caches = allocate(kv)
     before = caches.raw[0].clone()
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, NULL_BLOCK)),))
     worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
     worker.on_transfer_results({"a"}, set(), inner=ErrorSource())
@@ -132,7 +132,7 @@ def test_load_bound_while_caches_were_unregistered_is_still_zeroed():
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     worker.unregister_kv_caches()
     record = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),))
     worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
@@ -151,7 +151,7 @@ def test_an_error_reported_for_a_finished_load_never_marks_the_blocks_next_owner
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     caches = allocate(kv)
     worker = make_tail_worker(kv)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     inner = ErrorSource()
     a = LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 6)),))
     c = LoadRecord("c", 0, 20, (GroupLoad(0, 0, (1, 3)),))
@@ -195,7 +195,7 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
             counts_requests=rank == counting_rank,
             stats=stats,
         )
-        worker.register_kv_caches(caches.views, kv)
+        worker.register_kv_caches(caches.views, kv, caches.layers)
         worker.bind(KVTailMetadata(inner=None, loads=(record,)))  # type: ignore[arg-type]
         worker.on_transfer_results({"a"}, set(), ErrorSource())
         counted.append((stats["tails_zeroed"], stats["probed_tails"]))

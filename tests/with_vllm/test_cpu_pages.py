@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -25,10 +27,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector import RegionCache, cpu_pages
-from kvtail_connector.cache_sets import _as_cache, cache_sets
+from kvtail_connector import RegionCache
+from kvtail_connector.cache_sets import cache_sets
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.ops import KVZeroer
+from kvtail_connector.pages import cpu as cpu_pages
+from kvtail_connector.pages import layer_cache
 from tests.helpers import cpu_attn_writers as synthetic
 from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS
 
@@ -52,28 +56,30 @@ CASES = [
 CASE_IDS = [f"{isa}-{str(dt).split('.')[-1]}-d{d}" for isa, dt, _, d in CASES]
 
 
-class _Backend:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def get_name(self) -> str:
-        return self.name
-
-
 class _Layer:
     """The attributes vLLM's CPU attention sets on an Attention layer."""
 
     def __init__(
         self,
-        backend: str = "CPU_ATTN",
+        backend: type = CPUAttentionBackend,
         isa: str | None = "vec",
         kv_cache_dtype: str = "auto",
         dtype: torch.dtype = torch.bfloat16,
     ) -> None:
-        self.attn_backend = _Backend(backend)
+        self.attn_backend = backend
         self.isa = isa
         self.kv_cache_dtype = kv_cache_dtype
         self.dtype = dtype
+
+
+def _as_cache(name, view, layer):
+    """The layer's cache as the page maps give it, for a view vLLM allocated
+    from a plain spec (``[B, H, N, 2*D]``)."""
+    _, heads, block, content = view.shape
+    spec = FullAttentionSpec(
+        block_size=block, num_kv_heads=heads, head_size=content // 2, dtype=view.dtype
+    )
+    return layer_cache(name, view, spec, layer)
 
 
 def cpu_caches(dtype, head_size, *, heads=2, block=32, num_blocks=6):
@@ -237,7 +243,7 @@ def test_overlapping_writer_is_refused_naming_layer_isa_and_setting(monkeypatch)
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: shared_word)
     view = torch.zeros(4, 2, 32, 64)
     with pytest.raises(ValueError) as err:
-        _as_cache("model.layers.3.attn", view, object(), _Layer(isa="vec", dtype=torch.float32))
+        _as_cache("model.layers.3.attn", view, _Layer(isa="vec", dtype=torch.float32))
     text = str(err.value)
     for part in ("'model.layers.3.attn'", "ISA 'vec'", "slots 0 and 1 both write", "--dtype"):
         assert part in text, text
@@ -246,10 +252,10 @@ def test_overlapping_writer_is_refused_naming_layer_isa_and_setting(monkeypatch)
 
 def test_layout_recognises_cpu_attn_and_passes_other_backends_through():
     view = torch.zeros(4, 2, 32, 64)
-    assert isinstance(_as_cache("l0", view, object(), _Layer("CPU_ATTN")), RegionCache)
-    assert _as_cache("l0", view, object(), _Layer("FLASH_ATTN")) is view
-    with pytest.raises(ValueError, match="has no ISA"):
-        _as_cache("l0", view, object(), _Layer("CPU_ATTN", isa=None))
+    assert isinstance(_as_cache("l0", view, _Layer()), RegionCache)
+    assert _as_cache("l0", view, _Layer(FlashAttentionBackend)) is view
+    with pytest.raises(ValueError, match="set no ISA"):
+        _as_cache("l0", view, _Layer(isa=None))
 
 
 @pytest.mark.parametrize("isa", ["vec", "amx"])
@@ -259,7 +265,7 @@ def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
     view = torch.full((4, 2, 32, 64), float("nan"), dtype=torch.bfloat16)
-    cache = _as_cache("l0", view, object(), _Layer(isa=isa))
+    cache = _as_cache("l0", view, _Layer(isa=isa))
     found = probe_items([CacheSet(0, 1, 1, [cache])], np.array([[0, 1, 13]]), ["req"])
     # 19 stale slots x 2 heads x 64 values, each NaN with 2 non-zero bytes.
     assert found == {"req": (19 * 2 * 64 * 2, 19 * 2 * 64)}
@@ -272,5 +278,5 @@ def test_slot_bytes_count_each_slot_once_over_its_regions(monkeypatch, isa):
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
     view = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)
-    cache = _as_cache("l0", view, object(), _Layer(isa=isa))
+    cache = _as_cache("l0", view, _Layer(isa=isa))
     assert cache_slot_bytes(cache) == 2 * 128 * 2  # heads x (K + V) x bf16

@@ -28,9 +28,10 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.cache_sets import _as_cache, cache_sets
+from kvtail_connector.cache_sets import cache_sets
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.ops import KVZeroer, RegionCache
+from kvtail_connector.pages import UnmappedPage, layer_cache
 from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -140,22 +141,29 @@ def test_the_view_is_not_the_slot_layout():
     assert not torch.equal(naive, expected)
 
 
-def test_other_rocm_backends_pass_through_the_view():
-    _, views, _ = rocm_caches(torch.bfloat16, KVCacheLayout.LBHNC)
-    view = views[LAYERS[0]]
-    spec = FullAttentionSpec(
+def test_aiter_fa_without_the_shuffle_layout_passes_the_view_through():
+    # ROCM_AITER_FA reports "FLASH_ATTN"; without the shuffle layout (off on
+    # this machine: no aiter) its spec is unchanged and its pages are
+    # [B, H, N, 2*D], exact as a view.
+    plain = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
     )
-    # ROCM_AITER_FA reports "FLASH_ATTN"; without the shuffle layout (off on
-    # this machine: no aiter) its pages are [B, H, N, 2*D], exact as a view.
-    assert _as_cache("l0", view, spec, _Layer(AiterFlashAttentionBackend)) is view
-    assert isinstance(_as_cache("l0", view, spec, _Layer()), RegionCache)
+    assert AiterFlashAttentionBackend.customize_spec(plain) == plain
+    view = torch.zeros(4, HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
+    assert layer_cache("l0", view, plain, _Layer(AiterFlashAttentionBackend)) is view
+    _, views, config = rocm_caches(torch.bfloat16, KVCacheLayout.LBHNC)
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    assert isinstance(layer_cache("l0", views[LAYERS[0]], spec, _Layer()), RegionCache)
 
 
 def test_a_view_rocm_attention_could_not_split_is_refused():
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+    spec = RocmAttentionBackend.customize_spec(
+        FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16
+        )
     )
-    wrong = torch.zeros(4, HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)[:, :, :, :40]
-    with pytest.raises(ValueError, match=r"layer 'l0' \(ROCM_ATTN\): ROCm page"):
-        _as_cache("l0", wrong, spec, _Layer())
+    wrong = torch.zeros(4, 2, BLOCK, 2 * HEADS * HEAD_SIZE, dtype=torch.bfloat16)[:, :, :, :64]
+    with pytest.raises(
+        UnmappedPage, match=r"layer 'l0' \(backend ROCM_ATTN .*ROCm page with strides"
+    ):
+        layer_cache("l0", wrong, spec, _Layer())

@@ -550,7 +550,7 @@ def test_read_record_zeroes_only_never_written_slots_as_reads_land(make_run, per
 
     caches = allocate(kv)
     worker = make_tail_worker(kv, zeroes_reads_by_layer=per_layer)
-    worker.register_kv_caches(caches.views, kv)
+    worker.register_kv_caches(caches.views, kv, caches.layers)
     worker.bind(out.kv_connector_metadata)
     if per_layer:
         worker.reads_started(landed=False)
@@ -652,7 +652,7 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
             trusts_load_claims=vouch_tails == "trust",
             stats=stats,
         )
-        worker.register_kv_caches(caches.views, kv)
+        worker.register_kv_caches(caches.views, kv, caches.layers)
         worker.bind(out.kv_connector_metadata)
         before = {gid: raw.clone() for gid, raw in caches.raw.items()}
         worker.reads_started(landed=not per_layer)

@@ -20,10 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtail_connector.ops.geometry import PageRegion
+from kvtail_connector.ops.geometry import PageRegion, RegionCache
 from kvtail_connector.ops.ownership import regions_from_owner
+from kvtail_connector.pages.layer import LayerPage
+from kvtail_connector.pages.maps import PageCache, PageMap
+from kvtail_connector.pages.plain import unpacked
+from kvtail_connector.pages.views import check_view
 
-BACKEND_NAME = "CPU_ATTN"
+BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
 # cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
 # isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
@@ -164,3 +168,30 @@ def layer_model_dtype(layer_object: Any) -> torch.dtype | None:
     """The model dtype of an attention layer (``layer.dtype``), if set."""
     dtype = getattr(layer_object, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _learned_cache(page: LayerPage) -> PageCache:
+    check_view(page)
+    isa = layer_isa(page.layer)
+    if isa is None:
+        raise ValueError("vLLM's CPU metadata builder set no ISA on it (layer.isa)")
+    try:
+        regions = cpu_attn_regions(
+            page.view, isa, page.kv_cache_dtype, layer_model_dtype(page.layer)
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{str(e).rstrip('.')} (ISA {isa!r}; vLLM picks the CPU attention ISA from "
+            '--dtype, the block size and the head size: on x86, --dtype float32 selects "vec")'
+        ) from e
+    return RegionCache(page.view, int(page.view.shape[2]), regions)
+
+
+CPU_ATTN = PageMap(
+    layout="CPU attention pages (learned from vLLM's CPU cache writer)",
+    backends=frozenset({BACKEND}),
+    covers=unpacked,
+    cache=_learned_cache,
+)
+
+MAPS = (CPU_ATTN,)

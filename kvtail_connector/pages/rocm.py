@@ -25,8 +25,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from kvtail_connector.ops.geometry import PageRegion
+from kvtail_connector import _compat
+from kvtail_connector.ops.geometry import PageRegion, RegionCache
 from kvtail_connector.ops.ownership import regions_from_owner
+from kvtail_connector.pages.layer import LayerPage
+from kvtail_connector.pages.maps import PageCache, PageMap
+from kvtail_connector.pages.plain import IN_PLACE_MODES, fused_writer_hint
+from kvtail_connector.pages.views import check_view
 
 
 def key_owner(slots: int, heads: int, head_size: int, x: int) -> np.ndarray:
@@ -88,3 +93,44 @@ def rocm_regions(
             for r in regions_from_owner(owner, slots, el, segments)
         )
     return tuple(regions)
+
+
+ROCM_ATTN_BACKEND = "vllm.v1.attention.backends.rocm_attn.RocmAttentionBackend"
+AITER_FA_BACKEND = "vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend"
+
+
+def _planes(page: LayerPage) -> bool:
+    """K and V published as two head slots of ``Hkv * D`` elements each (the
+    specs both backends' ``customize_spec`` make), on a layer whose backend
+    uses the planes (``_compat.rocm_v_interleaved``), written by the backend's
+    own writers (not AITER's fused QK-norm/RoPE/KV insert)."""
+    spec = page.spec
+    heads, head_size = int(spec.num_kv_heads), int(spec.head_size)
+    return (
+        page.quant_mode in IN_PLACE_MODES
+        and page.field("num_head_slots") == 2
+        and page.field("state_content_bytes") == heads * head_size * spec.dtype.itemsize
+        and not page.field("kv_head_major_slots", False)
+        and not page.engine.fused_kv_writer
+        and _compat.rocm_v_interleaved(page.backend_name, page.layer) is not None
+    )
+
+
+def _planes_cache(page: LayerPage) -> PageCache:
+    check_view(page)
+    interleaved = _compat.rocm_v_interleaved(page.backend_name, page.layer)
+    assert interleaved is not None  # _planes checked it
+    spec = page.spec
+    regions = rocm_regions(page.view, int(spec.num_kv_heads), int(spec.head_size), interleaved)
+    return RegionCache(page.view, int(page.view.shape[2]), regions)
+
+
+ROCM_PLANES = PageMap(
+    layout="ROCm paged-attention planes (K x-packed, V transposed or interleaved)",
+    backends=frozenset({ROCM_ATTN_BACKEND, AITER_FA_BACKEND}),
+    covers=_planes,
+    cache=_planes_cache,
+    hint=fused_writer_hint,
+)
+
+MAPS = (ROCM_PLANES,)

@@ -1,0 +1,268 @@
+"""Every attention backend of the installed vLLM, and the pages it publishes.
+
+For the page-map inventory test: the backends vLLM can select
+(``AttentionBackendEnum``) and every other class of the vLLM tree that
+reshapes pages (defines ``customize_spec``), each asked for the spec of every
+``kv_cache_dtype`` it declares, with the view vLLM allocates from it. Classes
+are found by reading the source (``ast``), imported with missing GPU
+libraries stubbed (``stub_imports``); one that cannot be imported here is
+reported, not skipped silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+from vllm.v1 import kv_cache_interface as kvi
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from tests.helpers.stub_imports import import_with_stubs
+
+_ROOT = Path(vllm.__file__).parent
+
+# Names vLLM's ``fa_utils`` defines only on CUDA, XPU and ROCm (its module body
+# branches on the platform); backends import them at the top. For reading
+# class-level facts they are stubs, like a missing GPU library.
+_PLATFORM_NAMES = {
+    "vllm.v1.attention.backends.fa_utils": (
+        "compile_flash_attn_varlen_func_from_specs",
+        "flash_attn_varlen_func",
+        "get_scheduler_metadata",
+        "reshape_and_cache_flash",
+    ),
+}
+
+
+# vLLM packages wrapping a GPU extension that raise ImportError on a machine
+# without it (``vllm_flash_attn``: "requires the CUDA flash attention
+# extensions"): stubs, like ``vllm._C`` in ``stub_imports``.
+_GPU_PACKAGES = ("vllm.vllm_flash_attn",)
+
+
+def _stub(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("a GPU-only vLLM function, stubbed on this CPU machine")
+
+
+class _GpuPackage(types.ModuleType):
+    """A GPU-extension package: every attribute is :func:`_stub`."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub
+
+
+def _once_per_name(register: Callable[..., object]) -> Callable[..., object]:
+    """``direct_register_custom_op`` that registers each op name once: vLLM's
+    NVIDIA and ROCm trees of one model register the same ``vllm::`` op (a GPU
+    machine imports one of them; reading both here would abort the second)."""
+
+    def register_once(op_name: str, *args: object, **kwargs: object) -> object:
+        import torch
+
+        if hasattr(torch.ops.vllm, op_name):
+            return None
+        return register(op_name, *args, **kwargs)
+
+    return register_once
+
+
+@contextlib.contextmanager
+def cpu_import_shims() -> Iterator[None]:
+    """For importing backends on this CPU machine (never for running them):
+    the GPU-only ``fa_utils`` names are stubs, and a ``vllm::`` op already
+    registered by a model's other platform tree is not registered again.
+    Modules imported meanwhile keep what they bound."""
+    import importlib
+
+    from vllm.utils import torch_utils
+
+    added: list[tuple[object, str]] = []
+    for module_name, names in _PLATFORM_NAMES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if not hasattr(module, name):
+                setattr(module, name, _stub)
+                added.append((module, name))
+    stubbed = []
+    for name in _GPU_PACKAGES:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            package = _GpuPackage(name)
+            package.__path__ = []
+            sys.modules[name] = package
+            stubbed.append(name)
+    register = torch_utils.direct_register_custom_op
+    torch_utils.direct_register_custom_op = _once_per_name(register)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch_utils.direct_register_custom_op = register  # type: ignore[assignment]
+        for name in stubbed:
+            sys.modules.pop(name, None)
+        for module, name in added:
+            delattr(module, name)
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one backend publishes for one ``kv_cache_dtype``.
+
+    Attributes:
+        backend: the backend class.
+        kv_cache_dtype: the cache dtype asked for.
+        spec: the spec after the backend's ``customize_spec``.
+        view: one layer's view vLLM allocates from it.
+    """
+
+    backend: type
+    kv_cache_dtype: str
+    spec: Any
+    view: torch.Tensor
+
+    @property
+    def key(self) -> tuple[str, str]:
+        cls = self.backend
+        return (f"{cls.__module__}.{cls.__qualname__}", self.kv_cache_dtype)
+
+
+def _reshaping_classes() -> list[str]:
+    """``module.Class`` of every class in the vLLM tree defining ``customize_spec``."""
+    found = []
+    for path in sorted(_ROOT.rglob("*.py")):
+        source = path.read_text(errors="replace")
+        if "def customize_spec" not in source:
+            continue
+        module = ".".join(("vllm", *path.relative_to(_ROOT).with_suffix("").parts))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(item, ast.FunctionDef) and item.name == "customize_spec"
+                for item in node.body
+            ):
+                found.append(f"{module}.{node.name}")
+    return found
+
+
+def backend_paths() -> list[str]:
+    """The selectable backends and every reshaping class, by class path."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    paths = {m.value for m in AttentionBackendEnum if m.value}
+    paths |= set(_reshaping_classes())
+    return sorted(paths)
+
+
+def load(path: str) -> type:
+    """The class at ``path``, imported with missing GPU libraries stubbed.
+
+    Raises:
+        ImportError / AttributeError / AssertionError: it cannot be imported
+            here (a CUDA-only module body, a module vLLM lists but lacks).
+    """
+    module, _, name = path.rpartition(".")
+    with cpu_import_shims():
+        cls = getattr(import_with_stubs(module), name)
+    if not isinstance(cls, type):
+        raise ImportError(f"{path} is not a class here ({type(cls).__name__})")
+    return cls
+
+
+_ALL_DTYPES = tuple(typing.get_args(__import__("vllm.config.cache", fromlist=["x"]).CacheDType))
+
+
+def _kv_dtypes(backend: type) -> tuple[str, ...]:
+    declared = getattr(backend, "supported_kv_cache_dtypes", None)
+    return tuple(declared) if declared else _ALL_DTYPES
+
+
+def _head_size(backend: type) -> int:
+    try:
+        sizes = backend.get_supported_head_sizes()
+    except Exception:
+        sizes = []
+    return int(sizes[0]) if sizes else 128
+
+
+def _block_size(backend: type) -> int:
+    try:
+        sizes = backend.get_supported_kernel_block_sizes()
+    except Exception:
+        sizes = []
+    for size in sizes:
+        if isinstance(size, int):
+            return size
+        base = getattr(size, "base", None)
+        if isinstance(base, int):
+            return max(base, 16)
+    return 16
+
+
+def _base_spec(backend: type, kv_cache_dtype: str) -> Any:
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    mla = bool(getattr(backend, "is_mla", lambda: False)())
+    dtype = (
+        torch.bfloat16
+        if kv_cache_dtype in ("auto", "bfloat16")
+        else STR_DTYPE_TO_TORCH_DTYPE.get(kv_cache_dtype, torch.uint8)
+    )
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        dtype = torch.uint8
+    fields = dict(
+        block_size=_block_size(backend),
+        num_kv_heads=1 if mla else 2,
+        head_size=_head_size(backend),
+        dtype=dtype,
+        kv_quant_mode=kvi.get_kv_quant_mode(kv_cache_dtype),
+    )
+    if mla:
+        return kvi.MLAAttentionSpec(cache_dtype_str=kv_cache_dtype, **fields)
+    return kvi.FullAttentionSpec(**fields)
+
+
+def _view(spec: Any, backend: type) -> torch.Tensor:
+    from vllm.v1.kv_cache_interface import KVCacheTensor, compute_layout_strides
+
+    layouts: tuple = ()
+    try:
+        layouts = tuple(backend.supported_kv_cache_layouts() or ())
+    except Exception:
+        layouts = ()
+    layout = layouts[0] if layouts else KVCacheLayout.LBHNC
+    num_blocks = 3
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, 1, layout)
+    tensor = KVCacheTensor(size=0, layers=["l0"], layer_stride=layer_stride, block_stride=block_stride)
+    raw = torch.zeros(num_blocks * spec.page_size_bytes, dtype=torch.int8)
+    return kvi.create_kv_cache_views(raw, spec, num_blocks, layout, tensor)[0]
+
+
+def published(backend: type) -> Iterator[Published | tuple[str, str, str]]:
+    """What ``backend`` publishes per ``kv_cache_dtype``; a ``(path, dtype,
+    why)`` triple where vLLM itself rejects the combination (its
+    ``customize_spec`` raises: the backend cannot allocate it)."""
+    path = f"{backend.__module__}.{backend.__qualname__}"
+    for kv_cache_dtype in _kv_dtypes(backend):
+        try:
+            base = _base_spec(backend, kv_cache_dtype)
+            spec = backend.customize_spec(base)
+            if not dataclasses.is_dataclass(spec):
+                raise TypeError(f"customize_spec returned {type(spec).__name__}")
+            view = _view(spec, backend)
+        except Exception as e:  # vLLM's own refusal of the combination
+            yield (path, kv_cache_dtype, f"{type(e).__name__}: {e}"[:200])
+            continue
+        yield Published(backend, kv_cache_dtype, spec, view)
