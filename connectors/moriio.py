@@ -30,7 +30,9 @@ def runs_read_mode(inner_extra_config: dict[str, Any]) -> bool:
 class MoRIIOAdapter(InnerAdapter):
     """In READ mode the load is synchronous, so vLLM records its destination
     blocks for zeroing; the zeroing kernel can run after the RDMA READ landed.
-    The wrapper drops READ destinations from ``new_block_ids_to_zero``.
+    The wrapper drops READ destinations from ``new_block_ids_to_zero`` where
+    MoRIIO does not (models without Mamba layers), and uses them to find the
+    READs that overwrite a request's tail block.
 
     The mode is decided once, at construction, by :func:`runs_read_mode`
     (a MultiConnector asks each child's adapter every step)."""
@@ -56,6 +58,9 @@ class MoRIIOAdapter(InnerAdapter):
         return self.sync_read
 
     def read_destinations(self, inner_metadata: Any) -> Iterable[tuple[str, Any]]:
+        # One list per transfer group: on a Mamba hybrid every attention group
+        # first, then each Mamba group's running-state slot (never a
+        # speculative scratch block: MoRIIO's clip_ssm_state_blocks).
         reqs = getattr(inner_metadata, "reqs_to_recv", None) or {}
         for req_id, meta in reqs.items():
             yield req_id, meta.local_block_ids

@@ -67,9 +67,10 @@ class KVTailConfig(BaseModel):
             setting zeroes less than vLLM would).
         probe_stale_tails: before zeroing, count non-zero and non-finite tail
             bytes, log a warning for non-finite ones, and count them. On a
-            consumer it also checks the tails a producer vouched for (the
-            canary: non-zero bytes there are zeroed and counted as
-            ``false_vouches``).
+            consumer it also checks the async-load tails it skips on a
+            producer's claim (the canary: non-zero bytes there are zeroed and
+            counted as ``false_vouches``); vouched MoRIIO READ tails it skips
+            are not checked.
         vouch_tails: ``auto`` (the default): a consumer checks a producer's
             claim (counted) but still zeroes every async load's tail itself,
             and skips only MoRIIO READ tails zeroed per layer (vLLM 0.32),

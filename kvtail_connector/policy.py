@@ -31,7 +31,8 @@ class TailPolicy:
             workers, block-aligned ones too (needed by ``zeroes_failed_loads``).
         zeroes_read_tails: zero the producer tail a MoRIIO READ copies in.
         excludes_reads: drop MoRIIO READ destinations from vLLM's
-            ``new_block_ids_to_zero`` (the READ would race the zeroing).
+            ``new_block_ids_to_zero`` (the READ would race the zeroing); off
+            on Mamba hybrids, where vLLM's MoRIIO drops them itself.
         zeroes_reads_by_layer: READs may land layer by layer (vLLM 0.32, outside
             FULL CUDA graphs): be ready to zero each layer's READ tail.
         holds_completions: keep completions whose zeroing has not executed out
@@ -271,7 +272,9 @@ def resolve_policy(
         zeroes_failed_loads=zero_failed,
         records_every_load=zero_failed,
         zeroes_read_tails=zero_reads,
-        # vLLM filters Mamba hybrids itself (their attention group only).
+        # On Mamba hybrids vLLM's MoRIIO drops the READ destinations of every
+        # attention group itself (0.32/0.33 allow one, 0.34 several), and Mamba
+        # pages are never on the list (only attention groups record new blocks).
         excludes_reads=sync_read and needs_zeroing and not has_mamba,
         zeroes_reads_by_layer=by_layer,
         # Neither runner orders every completion after the zeroing launched

@@ -3,10 +3,12 @@ list, and a record for each READ whose tail block the READ overwrites.
 
 Synchronous READs overwrite their destination blocks; zeroing them too can
 land after the RDMA READ and wipe the KV. vLLM allows a sync READ connector to
-drop them from ``new_block_ids_to_zero`` (``KVConnectorBase_V1.build_connector_meta``)
-and does so itself only for Mamba models, group 0: this part drops them for
-every group. The READ then brings the producer's stale tail with it: its
-record goes to the workers, which zero it once the READ has landed.
+drop them from ``new_block_ids_to_zero`` (``KVConnectorBase_V1.build_connector_meta``).
+MoRIIO does so itself only on Mamba hybrids, for every attention group (Mamba
+pages are never on the list); on other models that need zeroing this part
+drops them, from every group (``TailPolicy.excludes_reads``). Either way the
+READ brings the producer's stale tail with it: its record goes to the
+workers, which zero it, in every attention group, once the READ has landed.
 """
 
 from __future__ import annotations
