@@ -29,7 +29,7 @@ from kvtail_connector import _compat, entry
 from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
-from kvtail_connector.inner import resolve, wrapper_fields
+from kvtail_connector.inner import Resolved, children_of, resolve, wrapper_fields
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
 from kvtail_connector.pages import EngineFacts
 from kvtail_connector.prom import KVTailPromMetrics
@@ -78,6 +78,16 @@ OWN_ANSWERS: dict[str, str] = {
     "build_prom_metrics": "the wrapper's Prometheus metrics hold the inner connector's, "
     "built by its own classmethod, beside the tail counters",
 }
+
+
+def _resolved_with_children(kv_transfer_config: Any) -> Resolved:
+    """:func:`resolve`, with an inner MultiConnector's children checked too:
+    vLLM's own classmethods of MultiConnector iterate them (0.34 asks while
+    it validates its config), and a bad child must be named by the wrapper's
+    message, not fail inside vLLM."""
+    resolved = resolve(kv_transfer_config)
+    children_of(resolved.inner_cls, resolved.inner_transfer_config)
+    return resolved
 
 
 class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
@@ -578,7 +588,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
         _compat.check_vllm_version()  # asked while vLLM builds its config (0.34)
-        resolved = resolve(kv_transfer_config)
+        resolved = _resolved_with_children(kv_transfer_config)
         return bool(
             resolved.inner_cls.supports_lookahead_block_hashes(  # type: ignore[attr-defined]
                 resolved.inner_transfer_config
@@ -590,7 +600,8 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         # 0.34: decides how the extensible KV cache allocates (REGISTERS needs
         # single-chunk segments, EXPORTS_FABRIC fabric handles).
         _compat.check_vllm_version()
-        return _compat.kv_cache_access(resolve(kv_transfer_config).inner_transfer_config)
+        resolved = _resolved_with_children(kv_transfer_config)
+        return _compat.kv_cache_access(resolved.inner_transfer_config)
 
     @classmethod
     def build_kv_connector_stats(

@@ -676,3 +676,25 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     check = getattr(connector, "scheduler_state_is_empty", None)
     if callable(check):
         assert check(), f"{type(connector).__name__} kept per-request state"
+
+
+def refusal_error(exc: BaseException) -> BaseException:
+    """The exception a start-up refusal raised: ``exc`` itself, or, where
+    vLLM 0.34 asked while it validated ``VllmConfig``, the one inside
+    pydantic's ValidationError."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        for error in errors():
+            cause = (error.get("ctx") or {}).get("error")
+            if isinstance(cause, BaseException):
+                return cause
+    return exc
+
+
+def refusal_text(exc: BaseException) -> str:
+    """A start-up refusal's own message (:func:`refusal_error`): vLLM 0.34
+    asks the connector's classmethods (``kv_cache_access``...) while it
+    validates ``VllmConfig``, so a refusal raised there reaches the user inside
+    pydantic's ValidationError ("1 validation error for VllmConfig ... Value
+    error, <it>")."""
+    return str(refusal_error(exc))

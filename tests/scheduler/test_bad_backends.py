@@ -10,13 +10,19 @@ import sys
 import textwrap
 
 import pytest
+from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvtail_connector import plugin
+from kvtail_connector import _compat, plugin
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.inner import wrapper_fields
-from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
+from tests.helpers.vllm_factories import (
+    make_kv_cache_config,
+    make_vllm_config,
+    refusal_error,
+    refusal_text,
+)
 
 BACKEND = "kv_connector_extra_config.backend"
 MODULE_PATH = "kv_connector_extra_config.backend_module_path"
@@ -81,7 +87,7 @@ def start(extra: dict) -> KVTailConnector:
 def refusal(extra: dict) -> str:
     with pytest.raises(ValueError) as info:
         start(extra)
-    return str(info.value)
+    return refusal_text(info.value)
 
 
 @pytest.mark.parametrize(
@@ -111,8 +117,8 @@ def test_a_module_path_whose_import_fails_otherwise(out_of_tree, error):
     module = out_of_tree("broken_at_import", f"{error}\n")
     with pytest.raises(ValueError) as info:
         start({"backend": "Anything", "backend_module_path": module})
-    text = str(info.value)
-    kind = type(info.value.__cause__).__name__
+    text = refusal_text(info.value)
+    kind = type(refusal_error(info.value).__cause__).__name__
     assert text.startswith(f"{MODULE_PATH}: importing {module!r} failed with {kind}")
     assert "Fix that module" in text
     assert kind in ("RuntimeError", "OSError", "SyntaxError")
@@ -163,13 +169,21 @@ def test_the_classmethods_refuse_as_the_build_does(extra):
     # vLLM asks them before (or without) building the connector: one
     # resolution, one message, whichever asks first.
     message = refusal(extra)
-    vllm_config = make_vllm_config(**wrapper_fields(extra))
+    # A config vLLM accepts, then the bad transfer config in its place: vLLM
+    # 0.34 asks kv_cache_access while it validates VllmConfig (the first ask).
+    vllm_config = make_vllm_config(**wrapper_fields({"backend": "NixlConnector"}))
+    transfer = KVTransferConfig(kv_role="kv_both", **wrapper_fields(extra))
+    vllm_config.kv_transfer_config = transfer
     asks = [
         lambda: KVTailConnector.get_required_kvcache_layout(vllm_config),
         lambda: KVTailConnector.requires_piecewise_for_cudagraph(extra),
-        lambda: KVTailConnector.supports_sleep_mode(vllm_config.kv_transfer_config),
+        lambda: KVTailConnector.supports_sleep_mode(transfer),
+        lambda: KVTailConnector.supports_lookahead_block_hashes(transfer),
+        lambda: KVTailConnector.kv_cache_access(transfer),
     ]
+    if _compat.check_vllm_version() >= (0, 34):  # asked while VllmConfig validates
+        asks.append(lambda: make_vllm_config(**wrapper_fields(extra)))
     for ask in asks:
         with pytest.raises(ValueError) as info:
             ask()
-        assert str(info.value) == message
+        assert refusal_text(info.value) == message
