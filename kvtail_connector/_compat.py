@@ -60,8 +60,9 @@ checked and need no bridge:
 - The two bugs remain: async-load blocks are still kept from alloc-time
   zeroing and a successful load's tail is never zeroed; MoRIIO's READ filter is
   still gated on ``_has_mamba``. It now covers every attention group of a
-  hybrid, since 0.34 drops the one-attention-group rule for hybrid READ; the
-  wrapper drops every group's READ destinations anyway. Every MoRIIO READ of a
+  hybrid (``block_ids[:len(_attn_group_ids)]``), since 0.34 drops the
+  one-attention-group rule for hybrid READ, so the wrapper still leaves Mamba
+  hybrids to it (Mamba pages are never on the list). Every MoRIIO READ of a
   step still lands in ``start_load_kv`` (:func:`moriio_reads_landed_at_start`).
 - ``Scheduler.add_request`` calls ``on_new_request`` before it queues the
   request (0.33: after); the wrapper only keeps the request object there.

@@ -10,25 +10,30 @@ says`` checks against vLLM's own Triton writers run under the interpreter
 wherever they do not need a GPU instruction:
 
 - rows (V3.2 ``fp8_ds_mla`` / ``nvfp4_ds_mla`` / bf16; V4.1 records on 0.33+):
-  state ``n`` of block ``b`` is ``view[b, 0, n, :]`` (deepseek_v32/common/
-  kernels.py ``byte_base = mla_block_idx * mla_cache_block_stride +
-  mla_block_off * mla_cache_entry_stride`` 306/313/313, 358/365/365;
-  V4.1 fused_compress_quant_cache.py ``values = page + (slot % CACHE_BLOCK) *
-  528``, ``scales = values + 512`` -/465-466/465-466, 288: -/528/528);
-- split: data at ``n * D``, scales at ``N * D + n * S`` of the page (V4 record:
-  deepseek_v4/common/ops/cache_utils.py 97+102 / 98+103 / 98+103 and
-  fused_compress_quant_cache.py 265-268 / 267-270 / 267-270; V4.1 on 0.32:
-  deepseek_v41 fused_compress_quant_cache.py 393-394 (528), 457-460 (288);
-  indexer keys: deepseek_v32 kernels.py 110+113 / 113+116 / 113+116,
-  deepseek_v4 fused_compress_quant_cache.py 827-830 / 830-833 / 830-833 (fp8),
-  1014-1017 / 1021-1024 / 1021-1024 (MXFP4));
+  state ``n`` of block ``b`` is ``view[b, 0, n, :]``: deepseek_v32/common/
+  kernels.py ``mla_block_idx * mla_cache_block_stride + mla_block_off *
+  mla_cache_entry_stride`` at 306 / 313 / 313 (nvfp4), 358 / 365 / 365
+  (fp8_ds_mla), 381 / 388 / 388 (bf16); deepseek_v41/common/ops/
+  fused_compress_quant_cache.py ``values = page + (slot % CACHE_BLOCK) * 528``,
+  ``scales = values + 512`` at - / 465-466 / 465-466, 288: - / 528-530 / 528-530.
+- split, data at ``n * D`` and scales at ``N * D + n * S`` of the page: the V4
+  record, deepseek_v4/common/ops/cache_utils.py 97+102 / 98+103 / 98+103,
+  fused_compress_quant_cache.py 265-268 / 267-270 / 267-270, deepseek_v41 ...
+  fused_compress_quant_cache.py 326-327 / 398-399 / 398-399; V4.1 records on
+  0.32, the same file 393-394 (528) and 457-460 (288); indexer keys,
+  deepseek_v32 kernels.py 110+113 / 113+116 / 113+116, deepseek_v4
+  fused_compress_quant_cache.py 827-830 / 830-833 / 830-833 (fp8) and
+  1014-1017 / 1021-1024 / 1021-1024 (MXFP4), deepseek_v41/common/ops/
+  indexer_k_store.py 203+206 / 208+211 / 208+211, kimi_k3/nvidia/ops/
+  dsa_indexer.py 73-76 and dsa_indexer_mxfp4.py 107-112 (0.34).
 - compressed states (ratio r): state ``s`` is written when token
   ``(s + 1) * r - 1`` arrives (``if (position + 1) % COMPRESS_RATIO != 0:
-  return``, fused_compress_quant_cache.py 201 / 203 / 203).
+  return``, deepseek_v4 fused_compress_quant_cache.py 201 / 203 / 203).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace as NS
@@ -51,13 +56,19 @@ V41_ROWS = mh.VERSION >= (0, 33)  # the V4.1 records' layout on this release (se
 _MLA = "vllm.v1.attention.backends.mla."
 
 
-def vllm_module(module: str) -> Any:
-    """Import a vLLM module as its CPU build does: 0.34's ``jit_warmup_triton_
+@contextlib.contextmanager
+def cpu_build_imports() -> Iterator[None]:
+    """Import vLLM modules as its CPU build does: 0.34's ``jit_warmup_triton_
     helper`` asks ``HAS_TRITON`` at decoration time, which this suite's conftest
-    turns on (for 0.34's config check) beside the placeholder ``triton``."""
+    turns on (for 0.34's config check) beside its placeholder ``triton``."""
     helper = importlib.import_module("vllm.model_executor.warmup.jit_warmup_triton_helper")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(helper, "HAS_TRITON", False, raising=False)
+        yield
+
+
+def vllm_module(module: str) -> Any:
+    with cpu_build_imports():
         return import_with_stubs(module)
 
 
@@ -84,8 +95,13 @@ def v32_spec(cache_dtype: str) -> Any:
     mla = vllm_module("vllm.model_executor.layers.attention.mla_attention")
     impl = NS(get_fp8_ds_mla_row_bytes=lambda: 656)  # 0.34's AttentionImpl default
     self = NS(
-        kv_cache_dtype=cache_dtype, head_size=576, sliding_window=None, indexer=None,
-        non_causal_multi_token_decode=False, topk_buffer_width=None, impl=impl,
+        kv_cache_dtype=cache_dtype,
+        head_size=576,
+        sliding_window=None,
+        indexer=None,
+        non_causal_multi_token_decode=False,
+        topk_buffer_width=None,
+        impl=impl,
     )
     return mla.MLAAttention.get_kv_cache_spec(self, _config(cache_dtype, 64))
 
@@ -99,9 +115,15 @@ def v32_indexer_spec(head: int = 132) -> Any:
 def swa_spec(record: int, cache_dtype: str) -> Any:
     swa = vllm_module(_MLA + "sparse_swa")
     self = NS(
-        bounded_replay=False, block_size=64, head_dim=512, dtype=torch.uint8, window_size=128,
-        cache_config=NS(cache_dtype=cache_dtype), packed_bytes_per_token=record,
-        packed_page_alignment=576 if record == 584 else 512, packed_block_stride_alignment=None,
+        bounded_replay=False,
+        block_size=64,
+        head_dim=512,
+        dtype=torch.uint8,
+        window_size=128,
+        cache_config=NS(cache_dtype=cache_dtype),
+        packed_bytes_per_token=record,
+        packed_page_alignment=576 if record == 584 else 512,
+        packed_block_stride_alignment=None,
     )
     return swa.DeepseekV4SWACache.get_kv_cache_spec(self, _config(cache_dtype, 64))
 
@@ -109,8 +131,12 @@ def swa_spec(record: int, cache_dtype: str) -> Any:
 def compressed_spec(model: str, record: int, ratio: int, cache_dtype: str) -> Any:
     attn = vllm_module(f"vllm.models.{model}.attention")
     self = NS(
-        compress_ratio=ratio, kv_cache_dtype=cache_dtype, head_dim=512,
-        kv_cache_torch_dtype=torch.uint8, is_kv_source=True, compressed_bytes_per_token=record,
+        compress_ratio=ratio,
+        kv_cache_dtype=cache_dtype,
+        head_dim=512,
+        kv_cache_torch_dtype=torch.uint8,
+        is_kv_source=True,
+        compressed_bytes_per_token=record,
         kv_page_alignment=576 if record == 584 else 512,
     )
     return attn.DeepseekV4Attention.get_kv_cache_spec(self, _config(cache_dtype, 256))
@@ -119,10 +145,26 @@ def compressed_spec(model: str, record: int, ratio: int, cache_dtype: str) -> An
 def v4_indexer_spec(model: str, head: int, ratio: int) -> Any:
     attn = vllm_module(f"vllm.models.{model}.attention")
     self = NS(
-        cache_config=NS(block_size=256), head_dim=head, dtype=torch.uint8,
-        compress_ratio=ratio, sparse_logits=False, rocm_mxfp4=False,
+        cache_config=NS(block_size=256),
+        head_dim=head,
+        dtype=torch.uint8,
+        compress_ratio=ratio,
+        sparse_logits=False,
+        rocm_mxfp4=False,
     )
     return attn.DeepseekV4IndexerCache.get_kv_cache_spec(self, _config("fp8_ds_mla", 256))
+
+
+def state_spec(ratio: int) -> Any:
+    compressor = vllm_module("vllm.models.deepseek_v4.compressor")
+    coff = 2 if ratio == 4 else 1
+    self = NS(
+        block_size=4 if ratio == 4 else 8,
+        state_dim=2 * coff * 512,
+        dtype=torch.float32,
+        sliding_window=coff * ratio,
+    )
+    return compressor.CompressorStateCache.get_kv_cache_spec(self, _config("fp8_ds_mla", 256))
 
 
 # Writers: the index math of vLLM's writers -------------------------------
@@ -195,23 +237,23 @@ def test_v32_latent_rows_tails_are_exact(zeroer, layout, cache_dtype):
 
 # V4 / V4.1 packed records ---------------------------------------------------
 
+_V4, _V41 = "vllm.models.deepseek_v4.", "vllm.models.deepseek_v41."
 RECORD_CASES = [
     # (model, record, ratio, cache_dtype, backend)
-    ("deepseek_v4", 584, 1, "fp8_ds_mla", _MLA + "sparse_swa.DeepseekSparseSWABackend"),
-    ("deepseek_v4", 584, 1, "fp8_ds_mla", "vllm.models.deepseek_v4.nvidia.flashmla."
-     "DeepseekSparseSWAFlashMLABackend"),
-    ("deepseek_v4", 584, 4, "fp8_ds_mla", "vllm.models.deepseek_v4.sparse_mla."
-     "DeepseekV4FlashMLABackend"),
-    ("deepseek_v4", 584, 128, "fp8_ds_mla", "vllm.models.deepseek_v4.cpu.cpu_mla."
-     "DeepseekV4CPUSparseBackend"),
-    ("deepseek_v41", 584, 2, "fp8_ds_mla", "vllm.models.deepseek_v41.sparse_mla."
-     "DeepseekV4FlashMLABackend"),
-    ("deepseek_v41", 528, 1, "nvfp4_ds_mla", "vllm.models.deepseek_v41.nvidia.flashmla."
-     "DeepseekSparseSWAFlashMLABackend"),
-    ("deepseek_v41", 528, 2, "fp8_ds_mla", "vllm.models.deepseek_v41.sparse_mla."
-     "FlashMLAMegaAttnBackend"),
-    ("deepseek_v41", 288, 2, "nvfp4_ds_mla", "vllm.models.deepseek_v41.sparse_mla."
-     "DeepseekV4FlashMLABackend"),
+    ("deepseek_v4", 584, 1, "fp8_ds_mla", deepseek.SWA_BACKEND),
+    ("deepseek_v4", 584, 1, "fp8_ds_mla", _V4 + "nvidia.flashmla.DeepseekSparseSWAFlashMLABackend"),
+    ("deepseek_v4", 584, 4, "fp8_ds_mla", _V4 + "sparse_mla.DeepseekV4FlashMLABackend"),
+    ("deepseek_v4", 584, 128, "fp8_ds_mla", _V4 + "cpu.cpu_mla.DeepseekV4CPUSparseBackend"),
+    ("deepseek_v41", 584, 2, "fp8_ds_mla", _V41 + "sparse_mla.DeepseekV4FlashMLABackend"),
+    (
+        "deepseek_v41",
+        528,
+        1,
+        "nvfp4_ds_mla",
+        _V41 + "nvidia.flashmla.DeepseekSparseSWAFlashMLABackend",
+    ),
+    ("deepseek_v41", 528, 2, "fp8_ds_mla", _V41 + "sparse_mla.FlashMLAMegaAttnBackend"),
+    ("deepseek_v41", 288, 2, "nvfp4_ds_mla", _V41 + "sparse_mla.DeepseekV4FlashMLABackend"),
 ]
 SPLITS = {584: (576, 8), 528: (512, 16), 288: (256, 32)}
 
@@ -244,6 +286,25 @@ def test_packed_record_tails_are_exact(zeroer, layout, model, record, ratio, cac
     else:
         assert all(isinstance(c, RegionCache) for c in caches)
         assert_rows_would_be_wrong(pages, case, ratio)
+
+
+# V4 compressor state ----------------------------------------------------------
+
+
+@ZEROERS
+@LAYOUTS
+@pytest.mark.parametrize("ratio", [4, 128], ids=["c4", "c128"])
+def test_compressor_state_tails_are_exact(monkeypatch, zeroer, layout, ratio):
+    # save_partial_states.py 66-78 (all releases): token n's [kv | score] row at
+    # block * stride0 + n * stride1. A c4 block holds 4 tokens: valid counts
+    # past it (5, 8) are no tail of it.
+    spec = state_spec(ratio)
+    n = spec.block_size
+    if n < 9:
+        monkeypatch.setattr(mh, "valid_counts", lambda tokens: (1, 2, tokens - 1, 0))
+    write = writer(n, 1, spec.head_size, None, torch.float32)
+    _, _, caches = check(spec, layout, write, deepseek.COMPRESSOR_BACKEND, zeroer, 1)
+    assert all(isinstance(c, torch.Tensor) for c in caches)
 
 
 # Indexer keys ---------------------------------------------------------------
@@ -284,8 +345,7 @@ def test_indexer_key_tails_are_exact(zeroer, layout, model, head, ratio, path):
 @ZEROERS
 @pytest.mark.parametrize("head", [132, 68], ids=["fp8", "mxfp4"])
 def test_kimi_k3_indexer_key_tails_are_exact(zeroer, head):
-    # KimiK3IndexerCache is a DeepseekV32IndexerCache (same spec); kimi_k3/nvidia/
-    # ops/dsa_indexer.py 74-76 (fp8), dsa_indexer_mxfp4.py 107-114 (MXFP4).
+    # KimiK3IndexerCache is a DeepseekV32IndexerCache: the same spec.
     spec = v32_indexer_spec(head)
     path = "vllm.models.kimi_k3.common.dsa_cache.KimiK3IndexerBackend"
     write = writer(64, 1, head, (head - 4, 4))
@@ -319,6 +379,17 @@ def footprint(spec: Any, run: Callable[[torch.Tensor], None]) -> torch.Tensor:
     return changed
 
 
+def assert_same_footprint(
+    spec: Any, run: Callable[[torch.Tensor], None], want: mh.Writer, tokens: list[int]
+) -> None:
+    expected = footprint(spec, lambda view: want(mh.LAYERS[0], view, tokens))
+    got = footprint(spec, run)
+    assert got.any() and torch.equal(got, expected), (
+        f"vLLM's writer stores {int(got.sum())} bytes, the index math {int(expected.sum())}; "
+        f"{int((got ^ expected).sum())} differ"
+    )
+
+
 @pytest.fixture
 def vllm_writers(monkeypatch):
     import numpy as np
@@ -337,9 +408,10 @@ def vllm_writers(monkeypatch):
     def load(module: str) -> Any:
         # The @triton.jit helpers the writers call, imported again with the real
         # Triton first (a module the specs imported holds the placeholder's).
-        for helper in WRITER_HELPERS:
-            import_writer(helper, stubs=True)
-        return import_writer(module, stubs=True)
+        with cpu_build_imports():
+            for helper in WRITER_HELPERS:
+                import_writer(helper, stubs=True)
+            return import_writer(module, stubs=True)
 
     return load
 
@@ -357,7 +429,12 @@ def _state_slots(tokens: list[int], n: int, ratio: int) -> torch.Tensor:
 
 
 def _bf16(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    return _f32(*shape).to(torch.bfloat16)
+
+
+def _f32(*shape: int) -> torch.Tensor:
+    """Writer inputs, the same on both passes of ``footprint``."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
 
 
 def _fused_norm_rope(load, tokens: list[int], cache_dtype: str, indexer: bool):
@@ -368,14 +445,25 @@ def _fused_norm_rope(load, tokens: list[int], cache_dtype: str, indexer: bool):
     def run(view: torch.Tensor) -> None:
         cache = view.squeeze(1)  # bind_kv_cache: [B, N, C]
         kernels.fused_norm_rope(
-            slots, _bf16(t, 16), torch.ones(16, dtype=torch.bfloat16), 1e-6,
-            _bf16(t, 512), torch.ones(512, dtype=torch.bfloat16), 1e-6,
-            _bf16(t, 64), _bf16(4096, 64),
+            slots,
+            _bf16(t, 16),
+            torch.ones(16, dtype=torch.bfloat16),
+            1e-6,
+            _bf16(t, 512),
+            torch.ones(512, dtype=torch.bfloat16),
+            1e-6,
+            _bf16(t, 64),
+            _bf16(4096, 64),
             _bf16(t, 128) if indexer else None,
-            torch.ones(128) if indexer else None, torch.zeros(128) if indexer else None, 1e-6,
-            _bf16(4096, 64) if indexer else None, torch.empty(t, 8, dtype=torch.int32),
-            slot_mapping=slots, indexer_k_cache=cache if indexer else None,
-            mla_kv_cache=None if indexer else cache, mla_kv_cache_dtype=cache_dtype,
+            torch.ones(128) if indexer else None,
+            torch.zeros(128) if indexer else None,
+            1e-6,
+            _bf16(4096, 64) if indexer else None,
+            torch.empty(t, 8, dtype=torch.int32),
+            slot_mapping=slots,
+            indexer_k_cache=cache if indexer else None,
+            mla_kv_cache=None if indexer else cache,
+            mla_kv_cache_dtype=cache_dtype,
             has_indexer=indexer,
         )
 
@@ -388,22 +476,25 @@ def test_v32_writer_puts_bytes_where_the_index_math_says(vllm_writers, cache_dty
     bf16 = cache_dtype == "auto"
     width = 576 if bf16 else spec.state_content_bytes
     want = writer(64, 1, width, None, torch.bfloat16 if bf16 else torch.uint8)
-    got = footprint(spec, _fused_norm_rope(vllm_writers, tokens, cache_dtype, indexer=False))
-    assert torch.equal(got, footprint(spec, lambda v: want(mh.LAYERS[0], v, tokens)))
+    run = _fused_norm_rope(vllm_writers, tokens, cache_dtype, indexer=False)
+    assert_same_footprint(spec, run, want, tokens)
 
 
 def test_v32_indexer_writer_puts_bytes_where_the_index_math_says(vllm_writers):
     spec, tokens = v32_indexer_spec(), _tokens(64, 1)
-    want = writer(64, 1, 132, (128, 4))
-    got = footprint(spec, _fused_norm_rope(vllm_writers, tokens, "auto", indexer=True))
-    assert torch.equal(got, footprint(spec, lambda v: want(mh.LAYERS[0], v, tokens)))
+    run = _fused_norm_rope(vllm_writers, tokens, "auto", indexer=True)
+    assert_same_footprint(spec, run, writer(64, 1, 132, (128, 4)), tokens)
 
 
 @pytest.mark.parametrize(
     ("model", "record", "ratio", "cache_dtype"),
-    [("deepseek_v4", 584, 1, "fp8_ds_mla"), ("deepseek_v41", 528, 1, "fp8_ds_mla"),
-     ("deepseek_v41", 584, 2, "fp8_ds_mla"), ("deepseek_v41", 528, 2, "fp8_ds_mla"),
-     ("deepseek_v41", 288, 2, "nvfp4_ds_mla")],
+    [
+        ("deepseek_v4", 584, 1, "fp8_ds_mla"),
+        ("deepseek_v41", 528, 1, "fp8_ds_mla"),
+        ("deepseek_v41", 584, 2, "fp8_ds_mla"),
+        ("deepseek_v41", 528, 2, "fp8_ds_mla"),
+        ("deepseek_v41", 288, 2, "nvfp4_ds_mla"),
+    ],
     ids=["v4-584-swa", "v41-528-swa", "v41-584-r2", "v41-528-r2", "v41-288-r2"],
 )
 def test_record_writer_puts_bytes_where_the_index_math_says(
@@ -426,12 +517,15 @@ def test_record_writer_puts_bytes_where_the_index_math_says(
 
         def run(view: torch.Tensor) -> None:
             ops.rope_quant_insert(
-                _bf16(len(tokens), 512).contiguous(), torch.tensor(tokens), torch.randn(4096, 64),
-                view.squeeze(1), _state_slots(tokens, n, ratio), ratio,
+                _bf16(len(tokens), 512).contiguous(),
+                torch.tensor(tokens),
+                _f32(4096, 64),
+                view.squeeze(1),
+                _state_slots(tokens, n, ratio),
+                ratio,
             )
 
-    want = writer(n, ratio, record, record_split(record))
-    assert torch.equal(footprint(spec, run), footprint(spec, lambda v: want(mh.LAYERS[0], v, tokens)))
+    assert_same_footprint(spec, run, writer(n, ratio, record, record_split(record)), tokens)
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -444,13 +538,78 @@ def test_v41_indexer_writer_puts_bytes_where_the_index_math_says(vllm_writers, h
 
     def run(view: torch.Tensor) -> None:
         ops.indexer_k_norm_rope_store(
-            _bf16(len(tokens), 128), torch.tensor(tokens), torch.randn(4096, 64),
-            torch.ones(128), 1e-6, view.squeeze(1), _state_slots(tokens, n, ratio), ratio,
+            _bf16(len(tokens), 128),
+            torch.tensor(tokens),
+            _f32(4096, 64),
+            torch.ones(128),
+            1e-6,
+            view.squeeze(1),
+            _state_slots(tokens, n, ratio),
+            ratio,
             head == 68,
         )
 
-    want = writer(n, ratio, head, (head - 4, 4))
-    assert torch.equal(footprint(spec, run), footprint(spec, lambda v: want(mh.LAYERS[0], v, tokens)))
+    assert_same_footprint(spec, run, writer(n, ratio, head, (head - 4, 4)), tokens)
+
+
+@mh.needs((0, 34), "no Kimi K3 DSA indexer (KimiK3IndexerBackend, added in 0.34)")
+@pytest.mark.parametrize("head", [132, 68], ids=["fp8", "mxfp4"])
+def test_kimi_k3_indexer_writer_puts_bytes_where_the_index_math_says(vllm_writers, head):
+    ops = vllm_writers("vllm.models.kimi_k3.nvidia.ops.dsa_indexer")
+    if head == 68:
+        ops = vllm_writers("vllm.models.kimi_k3.nvidia.ops.dsa_indexer_mxfp4")
+    insert = ops.mxfp4_k_norm_quant_insert if head == 68 else ops.indexer_k_norm_quant_insert
+    spec, tokens = v32_indexer_spec(head), _tokens(64, 1)
+    t = len(tokens)
+
+    def run(view: torch.Tensor) -> None:
+        topk = torch.empty(t, 8, dtype=torch.int32)
+        cache = view.squeeze(1)
+        insert(
+            _bf16(t, 128),
+            torch.ones(128),
+            torch.zeros(128),
+            1e-6,
+            torch.tensor(tokens),
+            cache,
+            topk,
+            t,
+        )
+
+    assert_same_footprint(spec, run, writer(64, 1, head, (head - 4, 4)), tokens)
+
+
+@pytest.mark.parametrize("ratio", [4, 128], ids=["c4", "c128"])
+def test_compressor_state_writer_puts_bytes_where_the_index_math_says(vllm_writers, ratio):
+    ops = vllm_writers("vllm.models.deepseek_v4.common.ops.save_partial_states")
+    spec = state_spec(ratio)
+    n, width = spec.block_size, spec.head_size
+    half, tokens = width // 2, _tokens(n, 1)
+    t = len(tokens)
+
+    def run(view: torch.Tensor) -> None:
+        cache, slots = view.squeeze(1), torch.tensor(tokens)
+        kv, score, ape = _f32(t, half), _f32(t, half), _f32(ratio, half)
+        ops.SavePartialStatesKernel.kernel[(t,)](
+            kv,
+            half,
+            score,
+            half,
+            ape,
+            half,
+            slots,
+            cache,
+            cache.stride(0),
+            cache.stride(1),
+            slots,
+            n,
+            HEAD_SIZE=half,
+            TRITON_BLOCK_SIZE=half,
+            STATE_WIDTH=half,
+            COMPRESS_RATIO=ratio,
+        )
+
+    assert_same_footprint(spec, run, writer(n, 1, width, None, torch.float32), tokens)
 
 
 # Refusals -------------------------------------------------------------------
@@ -494,14 +653,20 @@ def test_split_records_on_kernel_split_pages_are_refused():
         # GLM5Next's 512-wide NoPE-only latent: not the DeepSeek row.
         (lambda: _replace(v32_spec("fp8_ds_mla"), head_size=512), deepseek.V32_BACKEND),
         # A record width no DeepSeek writer stores.
-        (lambda: _replace(swa_spec(584, "fp8_ds_mla"), state_content_bytes=600),
-         deepseek.SWA_BACKEND),
+        (
+            lambda: _replace(swa_spec(584, "fp8_ds_mla"), state_content_bytes=600),
+            deepseek.SWA_BACKEND,
+        ),
         # The V4 record under a cache dtype that does not write it.
-        (lambda: _replace(swa_spec(584, "fp8_ds_mla"), cache_dtype_str="fp8"),
-         deepseek.SWA_BACKEND),
+        (
+            lambda: _replace(swa_spec(584, "fp8_ds_mla"), cache_dtype_str="fp8"),
+            deepseek.SWA_BACKEND,
+        ),
         # An indexer key of another width.
-        (lambda: _replace(v32_indexer_spec(), head_size=136),
-         _MLA + "indexer.DeepseekV32IndexerBackend"),
+        (
+            lambda: _replace(v32_indexer_spec(), head_size=136),
+            _MLA + "indexer.DeepseekV32IndexerBackend",
+        ),
     ],
     ids=["glm5next-latent", "record-width", "record-dtype", "indexer-width"],
 )
