@@ -190,16 +190,35 @@ def dcp_interleave_size(parallel_config: Any) -> int:
     return int(getattr(parallel_config, "cp_kv_cache_interleave_size", 1) or 1)
 
 
-def fused_kv_writer(vllm_config: Any) -> bool:
-    """Whether vLLM's ROCm pass fusing QK-norm, RoPE and the KV-cache insert
-    is on (``pass_config.fuse_qk_norm_rope_kvcache``; None until resolved
-    counts as on: the pass may still run)."""
+# Compile passes that hand a layer's KV-cache insert to an AITER kernel whose
+# addressing of a strided page is not in vLLM's source (ROCm only; 0.32-0.34,
+# compilation/passes/pass_manager.py). None (not resolved) counts as on.
+_FUSED_WRITER_PASSES = ("fuse_qk_norm_rope_kvcache", "fuse_rope_kvcache")
+# 0.34 fuses QK-norm, RoPE and the cache insert for these architectures on ROCm
+# whenever AITER is on, with no pass flag of its own (pass_manager.py ~219).
+_MUSE_GLIMMER = frozenset({"MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration"})
+
+
+def fused_kv_writer(vllm_config: Any) -> str | None:
+    """The setting under which vLLM's compiled graph writes the KV pages with a
+    fused AITER op instead of the attention backend's own writer (None where
+    none is on; only ROCm runs these passes)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_rocm():
+        return None
     compilation = getattr(vllm_config, "compilation_config", None)
     pass_config = getattr(compilation, "pass_config", None)
-    if pass_config is None:
-        return False
-    value = getattr(pass_config, "fuse_qk_norm_rope_kvcache", False)
-    return value is None or bool(value)
+    for flag in _FUSED_WRITER_PASSES:
+        value = getattr(pass_config, flag, False)
+        if value is None or bool(value):
+            return f'--compilation-config \'{{"pass_config": {{"{flag}": false}}}}\''
+    model_config = getattr(vllm_config, "model_config", None)
+    if check_vllm_version() >= (0, 34) and (
+        getattr(model_config, "architecture", None) in _MUSE_GLIMMER
+    ):
+        return "VLLM_ROCM_USE_AITER=0 (this architecture's fused QK-norm/RoPE/KV pass)"
+    return None
 
 
 def layer_objects(vllm_config: Any) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ import torch
 
 from kvtail_connector.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.ops import RegionCache
-from kvtail_connector.pages import PLAIN_ENGINE, EngineFacts, layer_cache
+from kvtail_connector.pages import PLAIN_ENGINE, EngineFacts, UnmappedPage, layer_cache
 
 
 @dataclass
@@ -64,8 +64,18 @@ def cache_sets(
         group = kv_cache_config.kv_cache_groups[info.group_id]
         for layer in group.layer_names:
             view = kv_caches.get(layer)
-            if not isinstance(view, torch.Tensor) or view.dim() != 4:
-                continue  # raw buffers, host pools, layers this worker does not hold
+            if not isinstance(view, torch.Tensor):
+                continue  # a layer this worker does not hold (pipeline parallel)
+            if view.dim() != 4:
+                if layer not in layer_objects:
+                    continue  # a raw buffer no attention layer of this worker reads
+                raise UnmappedPage(
+                    f"KVTailConnector: layer {layer!r} has a {view.dim()}-D KV cache "
+                    f"{tuple(view.shape)} where vLLM hands attention layers [B, H, N, C] "
+                    "views; its token slots' bytes are not known, so its tails cannot be "
+                    'zeroed. Set kv_connector_extra_config.zero_tails to "off" if this model '
+                    "needs no tail zeroing."
+                )
             pages = int(view.shape[0])
             if pages % num_blocks:
                 raise ValueError(

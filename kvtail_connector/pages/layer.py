@@ -33,13 +33,14 @@ class EngineFacts:
     """What the engine's configuration says about who writes the pages.
 
     Attributes:
-        fused_kv_writer: vLLM's ROCm compile pass that fuses QK-norm, RoPE
-            and the KV-cache insert is on (``fuse_qk_norm_rope_kvcache``):
-            AITER's fused op then writes the pages instead of the backend,
-            and how it addresses a strided page is not in vLLM's source.
+        fused_kv_writer: the setting that turns off the compile pass under
+            which vLLM's ROCm graph writes the KV pages with a fused AITER op
+            (QK-norm/RoPE/cache insert) instead of the backend's own writer,
+            whose addressing of a strided page is not in vLLM's source; None
+            where no such pass runs (``_compat.fused_kv_writer``).
     """
 
-    fused_kv_writer: bool = False
+    fused_kv_writer: str | None = None
 
 
 # The facts of an engine that names none of the writers above.

@@ -24,13 +24,11 @@ PLAIN_BACKENDS = frozenset(
     {
         _B + "flash_attn.FlashAttentionBackend",
         _B + "flex_attention.FlexAttentionBackend",
-        _B + "triton_attn.TritonAttentionBackend",
         _B + "triton_flash_attn.TritonFlashAttentionBackend",
         _B + "triton_flashinfer.TritonFlashInferBackend",
         _B + "flashinfer.FlashInferBackend",
         _B + "flashinfer_ts.FlashInferTSBackend",
         _B + "flash_attn_diffkv.FlashAttentionDiffKVBackend",
-        _B + "triton_attn_diffkv.TritonAttentionDiffKVBackend",
         _B + "hpc_attn.HpcAttentionBackend",
         _B + "mla.flashmla.FlashMLABackend",
         _B + "mla.flashinfer_mla.FlashInferMLABackend",
@@ -47,11 +45,14 @@ PLAIN_BACKENDS = frozenset(
     }
 )
 
-# Plain with the backend's own writer, but on ROCm vLLM may hand the pages to
-# AITER's fused QK-norm + RoPE + KV insert, whose addressing of a strided page
-# vLLM's source does not show: refused while that pass is on.
-ROCM_AITER_BACKENDS = frozenset(
+# Plain with the backend's own writer, but on ROCm vLLM's compiled graph may
+# hand the writes to a fused AITER op (QK-norm/RoPE/KV insert, or RoPE/KV insert
+# through the impl's do_rope_and_kv_cache_update), whose addressing of a strided
+# page vLLM's source does not show: refused while such a pass is on.
+FUSABLE_BACKENDS = frozenset(
     {
+        _B + "triton_attn.TritonAttentionBackend",
+        _B + "triton_attn_diffkv.TritonAttentionDiffKVBackend",
         _B + "rocm_aiter_fa.AiterFlashAttentionBackend",
         _B + "rocm_aiter_unified_attn.RocmAiterUnifiedAttentionBackend",
     }
@@ -100,21 +101,23 @@ PLAIN = PageMap(
     cache=plain_view,
 )
 
-FUSED_WRITER_HINT = (
-    "turn off vLLM's fused QK-norm/RoPE/KV-cache pass "
-    '(--compilation-config \'{"pass_config": {"fuse_qk_norm_rope_kvcache": false}}\'), '
-    "whose AITER op writes these pages in a way vLLM's source does not show"
-)
-
 
 def fused_writer_hint(page: LayerPage) -> str | None:
-    return FUSED_WRITER_HINT if page.engine.fused_kv_writer else None
+    """The setting that gives the backend its own writer back, where a fused
+    AITER writer is on."""
+    setting = page.engine.fused_kv_writer
+    if setting is None:
+        return None
+    return (
+        "vLLM's compiled graph writes these pages with a fused AITER op whose addressing "
+        f"of the page vLLM's source does not show; turn that off ({setting})"
+    )
 
 
-ROCM_AITER_PLAIN = PageMap(
-    layout="plain cells, ROCm AITER without the fused QK-norm/RoPE/KV writer",
-    backends=ROCM_AITER_BACKENDS,
-    covers=lambda page: unpacked(page) and not page.engine.fused_kv_writer,
+OWN_WRITER_PLAIN = PageMap(
+    layout="plain cells, written by the backend's own writer (no fused AITER writer)",
+    backends=FUSABLE_BACKENDS,
+    covers=lambda page: unpacked(page) and page.engine.fused_kv_writer is None,
     cache=plain_view,
     hint=fused_writer_hint,
 )
@@ -126,4 +129,4 @@ AMX_MLA_PLAIN = PageMap(
     cache=_dense_pages_view,
 )
 
-MAPS = (PLAIN, ROCM_AITER_PLAIN, AMX_MLA_PLAIN)
+MAPS = (PLAIN, OWN_WRITER_PLAIN, AMX_MLA_PLAIN)

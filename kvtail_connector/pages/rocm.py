@@ -111,7 +111,7 @@ def _planes(page: LayerPage) -> bool:
         and page.field("num_head_slots") == 2
         and page.field("state_content_bytes") == heads * head_size * spec.dtype.itemsize
         and not page.field("kv_head_major_slots", False)
-        and not page.engine.fused_kv_writer
+        and page.engine.fused_kv_writer is None
         and _compat.rocm_v_interleaved(page.backend_name, page.layer) is not None
     )
 

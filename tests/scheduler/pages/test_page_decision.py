@@ -17,8 +17,9 @@ from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.pages import MAPS, UnmappedPage, layer_cache
+from kvtail_connector.pages import MAPS, EngineFacts, UnmappedPage, layer_cache
 from kvtail_connector.pages.spec_fields import KNOWN_FIELDS, LEAVES_PAGE, SHAPES_PAGE
+from tests.helpers.stub_imports import import_with_stubs
 from tests.helpers.worker_caches import LayerDouble, allocate, make_tail_worker
 
 LAYER = "model.layers.0.self_attn.attn"
@@ -156,3 +157,43 @@ def test_an_unmapped_layer_stops_the_worker_at_registration():
     # Nothing zeroed, digested or probed: the layout is never read.
     idle = make_tail_worker(config, zeroes_tails=False, zeroes_read_tails=False)
     idle.register_kv_caches(caches.views, config, {LAYER: LayerDouble(OutOfTreeBackend)})
+
+
+_FUSABLE = (
+    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend",
+    "vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend",
+)
+
+
+@pytest.mark.parametrize("path", _FUSABLE, ids=lambda p: p.rsplit(".", 1)[-1])
+def test_a_backend_whose_writes_a_fused_aiter_op_takes_over_is_refused_under_that_pass(path):
+    module, _, name = path.rpartition(".")
+    backend = getattr(import_with_stubs(module), name)
+    spec = _spec()
+    view = _view(spec)
+    assert layer_cache(LAYER, view, spec, LayerDouble(backend)) is view  # its own writer
+    setting = '--compilation-config \'{"pass_config": {"fuse_rope_kvcache": false}}\''
+    fused = EngineFacts(fused_kv_writer=setting)
+    with pytest.raises(UnmappedPage) as err:
+        layer_cache(LAYER, view, spec, LayerDouble(backend), fused)
+    assert "fused AITER op" in str(err.value) and setting in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache"])
+def test_the_fused_writer_passes_are_read_only_on_rocm(monkeypatch, flag):
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from kvtail_connector import _compat
+
+    passes = {f: False for f in ("fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")}
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(pass_config=SimpleNamespace(**{**passes, flag: True})),
+        model_config=SimpleNamespace(architecture="LlamaForCausalLM"),
+    )
+    assert _compat.fused_kv_writer(config) is None  # this CPU platform runs no such pass
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
+    assert flag in (_compat.fused_kv_writer(config) or "")
+    config.compilation_config.pass_config = SimpleNamespace(**passes)
+    assert _compat.fused_kv_writer(config) is None
