@@ -42,7 +42,7 @@ from kvtail_connector.ops.geometry import PageRegion, RegionCache
 from kvtail_connector.ops.ownership import regions_from_owner
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
-from kvtail_connector.pages.plain import IN_PLACE_MODES, plain_view
+from kvtail_connector.pages.plain import IN_PLACE_MODES, fused_writer_hint, plain_view
 from kvtail_connector.pages.views import check_view
 
 _B = "vllm.v1.attention.backends."
@@ -211,8 +211,10 @@ def _turboquant_hint(page: LayerPage) -> str | None:
 TRITON_PER_TOKEN_HEAD = PageMap(
     layout="TRITON_ATTN per-token-head int8/fp8/int4 (cells with inline fp32 scales)",
     backends=frozenset({TRITON_BACKEND}),
-    covers=_per_token_head,
+    # On ROCm a fused AITER op may take the insert over (plain.FUSABLE_BACKENDS).
+    covers=lambda page: _per_token_head(page) and page.engine.fused_kv_writer is None,
     cache=plain_view,
+    hint=fused_writer_hint,
 )
 
 B12X_PLANES = PageMap(
