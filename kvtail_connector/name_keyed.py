@@ -1,4 +1,4 @@
-"""vLLM's decisions keyed on the connector's NAME, and what the wrapper does about each.
+"""vLLM's decisions keyed on the connector's NAME, applied to the connector inside.
 
 vLLM decides several things by comparing ``kv_transfer_config.kv_connector``
 with a name, directly or through ``KVTransferConfig.has_connector`` (the name,
@@ -6,73 +6,15 @@ or a child of a ``MultiConnector`` by that name; one level, no class
 ancestry). Behind the wrapper it sees ``"KVTailConnector"``, never the
 connector inside. This module owns the mirror: each rule is applied to the
 inner connector's transfer config (``backend``, or the children of an
-inner ``MultiConnector``) with vLLM's own ``has_connector``, so that the
-wrapped engine behaves as the plain one would: the rule is applied where the
-wrapper's code runs before it matters, else the engine is refused at start-up
-with one message that names the setting that makes it work. Nothing differs
-silently.
+inner ``MultiConnector``) with vLLM's own ``has_connector`` (and its other
+``KVTransferConfig`` methods), so that the wrapped engine behaves as the plain
+one would: the rule is applied where the wrapper's code runs before it
+matters, else the engine is refused at start-up with one message that names
+the setting that makes it work. Nothing differs silently.
 
-The audit (every ``has_connector(`` call and every comparison of
-``kv_connector`` with a name in vLLM 0.32.0 and 0.33.0). :data:`RULES` holds
-the same rows with their sites; ``tests/scheduler/test_name_keyed.py`` checks
-each site against the installed release and that no other site exists. The
-same table, one line a row, is in ``docs/name-keyed.md``.
-
-Mamba conv-state layout -- 0.32 platforms/cpu.py:430, 0.33 platforms/cpu.py:447.
-    vLLM: on the CPU platform, NixlConnector/NixlPullConnector/NixlPushConnector
-    -> ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, else SD on avx512-bf16 CPUs; an
-    explicit value is kept. NIXL's worker asserts DS for models with Mamba layers.
-    Wrapper: applied. The plugin sets the same variable in the front end before
-    cpu.py runs, when the command line's ``--kv-transfer-config`` (JSON) wraps
-    NIXL (CPU platform only; an explicit value is kept); the engine core and
-    workers inherit it. Where it cannot (Python API, a config file), the worker
-    refuses at start-up, before NIXL's assert, naming ``VLLM_SSM_CONV_STATE_LAYOUT=DS``.
---enable-return-routed-experts -- 0.32 config/vllm.py:1188, 0.33 config/vllm.py:1240.
-    vLLM: refuses it with NIXL (3 names), MoRIIOConnector, MooncakeConnector.
-    Wrapper: the same refusal at start-up.
-NIXL DCP size -- 0.32 config/vllm.py:1476, 0.33 config/vllm.py:1575.
-    vLLM: asserts DCP in (1, transfer TP size) and an MLA model for DCP > 1.
-    Wrapper: the same refusals at start-up.
-NIXL DCP interleave -- 0.32 config/vllm.py:3229, 0.33 config/vllm.py:3369.
-    vLLM: with DCP > 1 each worker sets ``cp_kv_cache_interleave_size`` to the
-    smallest KV cache group block size, unless the user set it explicitly (then
-    kept). Wrapper: where vLLM would have changed it, refuses naming
-    ``--cp-kv-cache-interleave-size`` and that block size; an explicit value is
-    kept, as vLLM keeps it.
-NIXL DCP interleave check -- 0.32 config/vllm.py:3266, 0.33 config/vllm.py:3402.
-    vLLM: skips its interleave <= block size assert for NIXL. Wrapper: nothing;
-    vLLM's assert runs (loud), and what it passes meets the row above.
-HiSparse -- 0.32 and 0.33 config/kv_transfer.py:21,35; config/vllm.py 0.32:1803,
-    0.33:1879. vLLM: turns HiSparse on, and finds its ``host_pool_gib``, only for
-    a kv_connector or MultiConnector child named HiSparseConnector. Wrapper:
-    refuses HiSparseConnector inside it (no setting makes vLLM find it there);
-    the message shows it as a MultiConnector child next to the wrapper.
-HiSparse connector warning -- 0.32 config/vllm.py:1837, 0.33 config/vllm.py:1913.
-    vLLM: warns unless NIXL, MooncakeStore or MultiConnector. Wrapper: nothing;
-    HiSparse runs only with its connector where vLLM sees it (row above), and
-    with the wrapper on top vLLM fails its host-pool lookup as for a plain NIXL.
-SimpleCPUOffload pool -- 0.33 v1/engine/core.py:376 (0.32: none).
-    vLLM: with prefix caching, sizes the connector's scheduler-side CPU pool
-    from its workers. Wrapper (0.33): refuses SimpleCPUOffloadConnector inside
-    it with prefix caching on, naming ``--no-enable-prefix-caching``.
-HMA of a MultiConnector -- 0.32 and 0.33 distributed/kv_transfer/kv_connector/factory.py:139.
-    vLLM: a MultiConnector supports HMA if every child does. Wrapper: mirrored
-    (``inner.hma_blocker``), naming ``--disable-hybrid-kv-cache-manager``.
-Step5 DSA transfer -- 0.33 models/step5/nvidia/model.py:319-324 (0.32: none).
-    vLLM: refuses connectors other than MooncakeStore or NIXL with CUDA buffers.
-    Wrapper: nothing; vLLM refuses at model load, before any connector exists.
-Kimi-K3 AMD specialized decode -- 0.33 models/kimi_k3/amd/specialized_decode/runtime:111.
-    vLLM: refuses any connector but a MoRIIO consumer, naming ``decode_backend=auto``.
-    Wrapper: nothing; vLLM's refusal names the fix.
-has_connector itself -- 0.32 and 0.33 config/kv_transfer.py:143-146.
-    The name, or a MultiConnector child by that name. Wrapper: every rule above
-    is applied with it to the inner connector's transfer config.
-
-Not rows: ``_post_init_kv_transfer_config`` (``--kv-offloading-size`` replaces
-``kv_connector`` by a name, plain or wrapped alike), ``MultiConnector``'s
-``type(connector).__name__`` (a message), ``v1/utils.py:707`` (usage
-stats report the name: KVTailConnector is what runs), and the ``is not None``
-tests of ``kv_connector``.
+The audit, one row a decision with its sites per release, is
+:data:`kvtail_connector.name_keyed_table.RULES` (re-exported here);
+``docs/name-keyed.md`` is the same table with the reasons.
 
 Where the wrapper's code runs early enough for the conv-state layout: vLLM
 picks it in the front end's ``CpuPlatform.check_and_update_config`` (inside
@@ -98,6 +40,12 @@ from typing import Any
 
 from kvtail_connector import _compat
 
+# The audit, re-exported: name_keyed.RULES is the table these checks apply.
+from kvtail_connector.name_keyed_table import RULES as RULES
+from kvtail_connector.name_keyed_table import Rule as Rule
+from kvtail_connector.name_keyed_table import Site as Site
+from kvtail_connector.name_keyed_table import rules_for as rules_for
+
 WRAPPER = "KVTailConnector"
 MULTI = "MultiConnector"
 CONV_STATE_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
@@ -105,172 +53,6 @@ CONV_STATE_LAYOUT_ENV = "VLLM_SSM_CONV_STATE_LAYOUT"
 NIXL_NAMES = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
 # config/vllm.py _verify_aux_output_compatibility: refused with routed experts.
 ROUTED_EXPERTS_REFUSED = (*NIXL_NAMES, "MoRIIOConnector", "MooncakeConnector")
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where vLLM keys on the name: ``path`` under the ``vllm`` package, a line
-    and text it holds (checked against the installed release by the tests)."""
-
-    path: str
-    line: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One row of the audit (the module docstring's table)."""
-
-    key: str
-    sites: Mapping[str, tuple[Site, ...]]  # release ("0.32", "0.33") -> sites
-    vllm_does: str
-    wrapper_does: str
-
-
-def _both(*sites: Site) -> dict[str, tuple[Site, ...]]:
-    return {"0.32": sites, "0.33": sites}
-
-
-_HAS_NIXL = 'has_connector("NixlConnector")'
-
-RULES: tuple[Rule, ...] = (
-    Rule(
-        "conv_state_layout",
-        {
-            "0.32": (Site("platforms/cpu.py", 430, "kv_transfer_config.has_connector(name)"),),
-            "0.33": (Site("platforms/cpu.py", 447, "kv_transfer_config.has_connector(name)"),),
-        },
-        "CPU platform: VLLM_SSM_CONV_STATE_LAYOUT=DS for NIXL, else SD on avx512-bf16",
-        "plugin sets DS from the command line; else the worker refuses naming the variable",
-    ),
-    Rule(
-        "routed_experts",
-        {
-            "0.32": (Site("config/vllm.py", 1188, "has_connector(connector_name)"),),
-            "0.33": (Site("config/vllm.py", 1240, "has_connector(connector_name)"),),
-        },
-        "refuses --enable-return-routed-experts with NIXL, MoRIIO, Mooncake",
-        "the same refusal at start-up",
-    ),
-    Rule(
-        "nixl_dcp_size",
-        {
-            "0.32": (Site("config/vllm.py", 1476, _HAS_NIXL),),
-            "0.33": (Site("config/vllm.py", 1575, _HAS_NIXL),),
-        },
-        "asserts DCP in (1, transfer TP) and an MLA model for DCP > 1",
-        "the same refusals at start-up",
-    ),
-    Rule(
-        "nixl_dcp_interleave",
-        {
-            "0.32": (Site("config/vllm.py", 3229, "has_connector("),),
-            "0.33": (Site("config/vllm.py", 3369, _HAS_NIXL),),
-        },
-        "sets cp_kv_cache_interleave_size to the block size for NIXL with DCP",
-        "refuses where vLLM would change it, naming --cp-kv-cache-interleave-size",
-    ),
-    Rule(
-        "nixl_dcp_interleave_check",
-        {
-            "0.32": (Site("config/vllm.py", 3266, _HAS_NIXL),),
-            "0.33": (Site("config/vllm.py", 3402, _HAS_NIXL),),
-        },
-        "skips the interleave <= block size assert for NIXL",
-        "vLLM's assert runs; what it passes meets nixl_dcp_interleave",
-    ),
-    Rule(
-        "hisparse",
-        _both(
-            Site("config/kv_transfer.py", 21, 'kv_connector == "MultiConnector"'),
-            Site("config/kv_transfer.py", 35, '"HiSparseConnector"'),
-        ),
-        "turns HiSparse on and finds its host pool for HiSparseConnector by name",
-        "refuses HiSparseConnector inside the wrapper",
-    ),
-    Rule(
-        "hisparse_enable",
-        {
-            "0.32": (Site("config/vllm.py", 1803, 'has_connector("HiSparseConnector")'),),
-            "0.33": (Site("config/vllm.py", 1879, 'has_connector("HiSparseConnector")'),),
-        },
-        "HiSparseConnector named: HiSparse on",
-        "refuses HiSparseConnector inside the wrapper (rule hisparse)",
-    ),
-    Rule(
-        "hisparse_warning",
-        {
-            "0.32": (Site("config/vllm.py", 1837, "self.kv_transfer_config.kv_connector"),),
-            "0.33": (Site("config/vllm.py", 1913, "self.kv_transfer_config.kv_connector"),),
-        },
-        "warns for HiSparse unless NIXL, MooncakeStore or MultiConnector",
-        "nothing: HiSparse runs only with its connector where vLLM sees it",
-    ),
-    Rule(
-        "simple_cpu_offload",
-        {
-            "0.32": (),
-            "0.33": (Site("v1/engine/core.py", 376, 'has_connector("SimpleCPUOffloadConnector")'),),
-        },
-        "with prefix caching, sizes SimpleCPUOffload's scheduler pool from its workers",
-        "0.33: refuses it inside the wrapper with prefix caching on",
-    ),
-    Rule(
-        "multi_hma",
-        _both(
-            Site(
-                "distributed/kv_transfer/kv_connector/factory.py",
-                139,
-                'kv_connector != "MultiConnector"',
-            )
-        ),
-        "a MultiConnector supports HMA if every child does",
-        "mirrored by inner.hma_blocker",
-    ),
-    Rule(
-        "step5_dsa",
-        {
-            "0.32": (),
-            "0.33": (
-                Site("models/step5/nvidia/model.py", 319, 'kv_connector == "MultiConnector"'),
-                Site("models/step5/nvidia/model.py", 323, '"MooncakeStoreConnector"'),
-                Site("models/step5/nvidia/model.py", 324, '"NixlConnector"'),
-            ),
-        },
-        "refuses connectors other than MooncakeStore or NIXL with CUDA buffers",
-        "nothing: vLLM's own refusal, at model load",
-    ),
-    Rule(
-        "kimi_k3_amd_decode",
-        {
-            "0.32": (),
-            "0.33": (
-                Site(
-                    "models/kimi_k3/amd/specialized_decode/runtime/__init__.py",
-                    111,
-                    '"MoRIIOConnector"',
-                ),
-            ),
-        },
-        "refuses connectors other than a MoRIIO consumer; names decode_backend=auto",
-        "nothing: vLLM's own refusal names the fix",
-    ),
-    Rule(
-        "has_connector",
-        _both(
-            Site("config/kv_transfer.py", 143, "self.kv_connector == connector_name"),
-            Site("config/kv_transfer.py", 145, 'self.kv_connector == "MultiConnector"'),
-            Site("config/kv_transfer.py", 146, 'child.get("kv_connector") == connector_name'),
-        ),
-        "the name, or a MultiConnector child by that name",
-        "every rule above is applied with it to the inner transfer config",
-    ),
-)
-
-
-def rules_for(release: str) -> list[tuple[Rule, Site]]:
-    """``(rule, site)`` for every site of ``release`` ("0.32", "0.33")."""
-    return [(rule, site) for rule in RULES for site in rule.sites.get(release, ())]
 
 
 # ------------------------------------------------------------- the first hook
@@ -489,6 +271,52 @@ def _check_simple_cpu_offload(vllm_config: Any, inner: _Inner) -> None:
         )
 
 
+# One kv_role for each (is producer, is consumer) vLLM can derive.
+_ROLE_OF = {(True, True): "kv_both", (True, False): "kv_producer", (False, True): "kv_consumer"}
+
+
+def _check_roles(vllm_config: Any, inner: _Inner) -> None:
+    # vLLM's own KVTransferConfig properties, which its scheduler reads (0.34:
+    # defer_block_free for a consumer under async scheduling or PP; partial-tail
+    # offloads for a producer). 0.34 takes a MultiConnector's from its
+    # children's kv_role, not its own; behind the wrapper it reads
+    # KVTailConnector's kv_role (0.32, 0.33: the same role both ways).
+    outer = getattr(vllm_config, "kv_transfer_config", None)
+    if outer is None:
+        return
+    plain = (bool(inner.ktc.is_kv_producer), bool(inner.ktc.is_kv_consumer))
+    wrapped = (bool(outer.is_kv_producer), bool(outer.is_kv_consumer))
+    if plain == wrapped:
+        return
+    role = _ROLE_OF.get(plain)
+    fix = f"Set kv_role to {role!r}" if role else "List its connectors, each with a kv_role"
+    raise ValueError(
+        f"{inner.label} behind KVTailConnector: vLLM takes a MultiConnector's roles from "
+        "its connectors' kv_role (producer={}, consumer={}), but behind the wrapper from "
+        "KVTailConnector's kv_role={!r} (producer={}, consumer={}), and its scheduler "
+        "decides by them (deferred block frees, partial-tail offloads). {}: the role "
+        "its connectors give it.".format(*plain, outer.kv_role, *wrapped, fix)
+    )
+
+
+def _check_custom_mem_pool(vllm_config: Any, inner: _Inner) -> None:
+    # 0.34: VllmConfig turns the extensible KV cache off (or refuses it) where
+    # KVTransferConfig.uses_custom_mem_pool(): the top level's extra config or a
+    # MultiConnector child's. The inner connector's is the wrapper's
+    # backend_extra_config, out of its sight.
+    uses = getattr(inner.ktc, "uses_custom_mem_pool", None)
+    if uses is None or not uses():
+        return
+    if getattr(vllm_config.cache_config, "enable_extensible_kv_cache", False):
+        raise ValueError(
+            f"{inner.label} behind KVTailConnector: custom_mem_pool allocates the KV cache "
+            "from the connector's memory pool, which the extensible KV cache cannot use. "
+            "vLLM turns it off by itself only for a custom_mem_pool it finds in "
+            "kv_connector_extra_config or a MultiConnector child's, not in the wrapper's "
+            "backend_extra_config. Pass --no-enable-extensible-kv-cache."
+        )
+
+
 def _check_conv_state_layout(inner: _Inner, has_mamba: bool) -> None:
     found = inner.find(NIXL_NAMES) if has_mamba else None
     if found is None:
@@ -547,5 +375,7 @@ def check_start_up(
     _check_nixl_dcp(vllm_config, inner, kv_block_size)
     _check_hisparse(inner)
     _check_simple_cpu_offload(vllm_config, inner)
+    _check_roles(vllm_config, inner)
+    _check_custom_mem_pool(vllm_config, inner)
     if is_worker:
         _check_conv_state_layout(inner, has_mamba)

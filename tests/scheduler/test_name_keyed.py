@@ -11,7 +11,6 @@ name-keyed site of vLLM is missing from it.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import types
@@ -26,13 +25,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
 from demo.tiny_model import ensure_tiny_hybrid
-from kvtail_connector import _compat, name_keyed, plugin
+from kvtail_connector import _compat, name_keyed, name_keyed_table, plugin
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.inner import inner_transfer_config, wrap_kv_transfer_config
+from tests.helpers import name_keyed_scan as scan
 from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
+    make_scheduler,
     make_vllm_config,
 )
 
@@ -44,67 +45,71 @@ VLLM_DIR = Path(vllm.__file__).parent
 # ------------------------------------------------------------------ the audit
 
 
+def _table(release: str) -> list[scan.TableSite]:
+    return [scan.TableSite(r.key, s.path, s.line, s.text) for r, s in name_keyed.rules_for(release)]
+
+
 def test_every_site_of_the_table_holds_what_it_says() -> None:
-    sites = name_keyed.rules_for(RELEASE)
-    assert sites, RELEASE
-    for rule, site in sites:
-        lines = (VLLM_DIR / site.path).read_text().splitlines()
-        near = "\n".join(lines[max(site.line - 3, 0) : site.line + 2])
-        where = f"{rule.key}: {site.path}:{site.line}"
-        assert site.text in near, f"{where} no longer holds {site.text!r}"
-
-
-def _is_connector_name(node: ast.AST) -> bool:
-    if isinstance(node, ast.Attribute):
-        return node.attr == "kv_connector"
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "get"
-        and bool(node.args)
-        and isinstance(node.args[0], ast.Constant)
-        and node.args[0].value == "kv_connector"
-    )
-
-
-def _is_name_value(node: ast.AST) -> bool:
-    # A string, a tuple of strings, or a variable holding one (connector_name).
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, str)
-    if isinstance(node, ast.Tuple):
-        return any(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
-    return isinstance(node, ast.Name)
-
-
-def _name_keyed_sites(root: Path) -> Iterator[tuple[str, int, str]]:
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        rel = str(path.relative_to(root))
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "has_connector"
-            ):
-                yield rel, node.lineno, ast.unparse(node)
-            elif isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-                if any(map(_is_connector_name, operands)) and any(
-                    _is_name_value(o) for o in operands if not _is_connector_name(o)
-                ):
-                    # Point at the line holding the name compared with.
-                    line = max(getattr(o, "lineno", node.lineno) for o in operands)
-                    yield rel, line, ast.unparse(node)
+    table = _table(RELEASE)
+    assert table, RELEASE
+    result = scan.compare(VLLM_DIR, table, found=[])
+    assert result.moved == [] and result.removed == [], (result.moved, result.removed)
+    assert len(result.held) == len(table)
 
 
 def test_no_name_keyed_site_of_vllm_is_missing_from_the_table() -> None:
-    table = {(s.path, s.line) for _, s in name_keyed.rules_for(RELEASE)}
-    missing = [
-        f"{path}:{line}: {text}"
-        for path, line, text in _name_keyed_sites(VLLM_DIR)
-        if not any((path, near) in table for near in range(line - 2, line + 3))
+    missing = scan.missing_from(scan.scan(VLLM_DIR), _table(RELEASE))
+    assert missing == [], "name-keyed sites the audit does not list:\n" + "\n".join(
+        f"{f.path}:{f.line}: {f.text}" for f in missing
+    )
+
+
+def test_every_rule_says_what_each_release_has() -> None:
+    for rule in name_keyed.RULES:
+        assert set(rule.sites) == set(name_keyed_table.RELEASES), rule.key
+    assert RELEASE in name_keyed_table.RELEASES
+
+
+SCANNED = """
+def by_variable(ktc, registry):
+    connector_name = ktc.kv_connector
+    if connector_name == "NixlConnector":
+        pass
+    if connector_name in ("A", "B"):
+        pass
+    if connector_name in registry or connector_name is None:
+        pass
+
+def direct(ktc, child, name):
+    return (
+        ktc.kv_connector != "MultiConnector"
+        or child.get("kv_connector") == name
+        or getattr(ktc, "kv_connector") in {"C"}
+        or ktc.has_connector("D")
+    )
+
+def not_a_connector_name(ktc):
+    connector_name = ktc.other
+    return connector_name == "NixlConnector"
+
+def nested(ktc):
+    name = ktc.kv_connector
+    def inner(name):
+        return name == "E"  # a parameter, not the variable outside
+    return inner
+"""
+
+
+def test_the_scanner_finds_comparisons_through_a_variable() -> None:
+    found = [(f.line, f.text) for f in scan.scan_source(SCANNED, "m.py")]
+    assert sorted(found) == [
+        (4, "connector_name == 'NixlConnector'"),
+        (6, "connector_name in ('A', 'B')"),
+        (13, "ktc.kv_connector != 'MultiConnector'"),
+        (14, "child.get('kv_connector') == name"),
+        (15, "getattr(ktc, 'kv_connector') in {'C'}"),
+        (16, "ktc.has_connector('D')"),
     ]
-    assert missing == [], "name-keyed sites the audit does not list:\n" + "\n".join(missing)
 
 
 # ------------------------------------------------------ conv-state layout (CPU)
@@ -177,7 +182,8 @@ pytestmark_cpu = pytest.mark.skipif(not _compat.platform_is_cpu(), reason="CPU p
 NIXL_CASES = {
     "nixl": _nixl(),
     "nixl_pull": _nixl(name="NixlPullConnector"),
-    "multi_with_nixl_child": _multi(_nixl(), _mooncake_store()),
+    # kv_both: what 0.34 takes from the children (a consumer and a kv_both).
+    "multi_with_nixl_child": _multi(_nixl(), _mooncake_store(), role="kv_both"),
 }
 
 
@@ -442,3 +448,160 @@ def test_simple_cpu_offload_with_prefix_caching_refused_where_vllm_sizes_it_by_n
     else:
         check(vllm_config)
     check(_wrapper_config(plain, enable_prefix_caching=False))
+
+
+def _applies(key: str) -> bool:
+    """Whether the installed release has the rule ``key`` (its sites in the table)."""
+    return any(r.key == key for r, _ in name_keyed.rules_for(RELEASE))
+
+
+def _start_scheduler_side(vllm_config: VllmConfig) -> KVTailConnector:
+    return KVTailConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(block_size=16, num_blocks=8)
+    )
+
+
+# ------------------------------------------------- NIXL transfer mode (0.34)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_nixl_class_follows_transfer_mode_as_for_plain_nixl(mode) -> None:
+    """0.34's factory turns NixlConnector into NixlPull/NixlPushConnector by
+    ``transfer_mode`` (a comparison through a variable). The wrapper resolves
+    its inner class with vLLM's factory and the inner config, so the same."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    plain = {**_nixl(), "kv_connector_extra_config": {"transfer_mode": mode}}
+    want = KVConnectorFactory.get_connector_class(KVTransferConfig(**plain))
+    if _applies("nixl_transfer_mode"):
+        assert want.__name__ == f"Nixl{mode.capitalize()}Connector"
+    wrapper = _start_scheduler_side(_wrapper_config(plain))
+    try:
+        assert type(wrapper.inner) is want
+    finally:
+        wrapper.shutdown()
+
+
+# ------------------------------------------------ LMCacheMP cache access (0.34)
+
+
+def test_lmcache_mp_cache_access_is_vllms_for_the_plain_connector(monkeypatch) -> None:
+    """0.34's factory answers LEGACY_IPC for an LMCacheMPConnector by name whose
+    class does not say (an older lmcache). The wrapper's kv_cache_access asks
+    the factory with the inner config, so its answer is that one too."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorFactory, "kv_cache_access"):
+        pytest.skip("vLLM 0.32, 0.33: no kv_cache_access")
+    # lmcache is not installed here: a class that answers nothing of its own,
+    # as the lmcache package's older connector.
+    older = type("LMCacheMPConnector", (KVConnectorBase_V1,), {})
+    monkeypatch.setitem(KVConnectorFactory._registry, "LMCacheMPConnector", lambda: older)
+    plain = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    want = KVConnectorFactory.kv_cache_access(KVTransferConfig(**plain))
+    assert want.name == "LEGACY_IPC"
+    assert KVConnectorFactory.kv_cache_access(KVTransferConfig(**_wrapped(plain))) == want
+
+
+# --------------------------------------------------- MultiConnector roles (0.34)
+
+
+def _recording(role: str, **extra: Any) -> dict[str, Any]:
+    from tests.helpers import recording
+
+    return {
+        "kv_connector": "RecordingConnector",
+        "kv_connector_module_path": recording.MODULE_PATH,
+        "kv_role": role,
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def _plain_config(fields: dict[str, Any]) -> VllmConfig:
+    return make_vllm_config(
+        kv_connector=fields["kv_connector"],
+        kv_connector_module_path=fields.get("kv_connector_module_path"),
+        kv_role=fields["kv_role"],
+        kv_connector_extra_config=fields.get("kv_connector_extra_config"),
+    )
+
+
+def _deferred_block_free(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's real scheduler defers block frees with two batches in
+    flight (async scheduling): it does for a KV consumer."""
+    vllm_config.scheduler_config.async_scheduling = True
+    scheduler = make_scheduler(vllm_config)
+    try:
+        return bool(scheduler.defer_block_free)
+    finally:
+        scheduler.shutdown()
+
+
+def _roles(vllm_config: VllmConfig) -> tuple[bool, bool]:
+    ktc = vllm_config.kv_transfer_config
+    return bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+
+
+def test_multiconnector_roles_as_vllm_takes_them_for_the_plain_connector() -> None:
+    """A MultiConnector whose own kv_role says producer, of one consumer child.
+    0.34 takes its roles from the child (a consumer: block frees deferred);
+    behind the wrapper vLLM reads KVTailConnector's kv_role instead. The
+    wrapper refuses, naming the kv_role that gives what the plain one gets."""
+    plain_fields = _multi(_recording("kv_consumer"), role="kv_producer")
+    plain = _plain_config(plain_fields)
+    wrapped = _wrapper_config(plain_fields)
+    if _roles(plain) == _roles(wrapped):  # 0.32, 0.33: the MultiConnector's own role
+        assert not _applies("multi_roles")
+        _start_scheduler_side(wrapped).shutdown()
+        return
+    assert _applies("multi_roles")
+    assert _roles(plain) == (False, True)
+    with pytest.raises(ValueError, match="Set kv_role to 'kv_consumer': the role its connectors"):
+        _start_scheduler_side(wrapped)
+    fixed = _wrapper_config(_multi(_recording("kv_consumer"), role="kv_consumer"))
+    assert _roles(fixed) == _roles(plain)
+    assert _deferred_block_free(fixed) == _deferred_block_free(plain) is True
+
+
+# ---------------------------------------------- custom_mem_pool, extensible cache (0.34)
+
+
+def _resolve_extensible_cache(vllm_config: VllmConfig) -> bool:
+    """What vLLM's config resolution settles enable_extensible_kv_cache to,
+    left unset by the user, on a CUDA platform."""
+    cache = vllm_config.cache_config
+    cache.enable_extensible_kv_cache = None  # type: ignore[assignment]
+    cache._extensible_kv_cache_resolved = False
+    vllm_config._resolve_extensible_kv_cache()
+    return bool(cache.enable_extensible_kv_cache)
+
+
+def test_custom_mem_pool_inside_refused_where_vllm_turns_the_extensible_cache_off(
+    monkeypatch,
+) -> None:
+    plain_fields = _recording("kv_both", custom_mem_pool="NVLINK")
+    plain, wrapped = _plain_config(plain_fields), _wrapper_config(plain_fields)
+
+    def check() -> None:
+        name_keyed.check_start_up(
+            wrapped, _inner(wrapped), "backend", has_mamba=False, is_worker=False
+        )
+
+    if not hasattr(VllmConfig, "_resolve_extensible_kv_cache"):  # 0.32, 0.33
+        assert not _applies("custom_mem_pool")
+        check()
+        return
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    # vLLM turns it off for the plain connector's custom_mem_pool, and does not
+    # see the one inside the wrapper.
+    assert _resolve_extensible_cache(plain) is False
+    assert _resolve_extensible_cache(wrapped) is True
+    with pytest.raises(ValueError, match="Pass --no-enable-extensible-kv-cache"):
+        check()
+    wrapped.cache_config.enable_extensible_kv_cache = False
+    check()
