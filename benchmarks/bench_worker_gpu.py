@@ -97,12 +97,28 @@ def host_time_vs_bare(fn, bare, reps: int, before=None) -> tuple[float, float]:
     return median_us(out), median_us(base) if base else 0.0
 
 
+class _FlashAttentionPages:
+    """Stands in for vLLM's FLASH_ATTN backend class, which the page maps key
+    on by class path: this bench runs without vLLM, on FLASH_ATTN's plain
+    ``[B, H, N, C]`` pages."""
+
+
+_FlashAttentionPages.__module__ = "vllm.v1.attention.backends.flash_attn"
+_FlashAttentionPages.__qualname__ = "FlashAttentionBackend"
+
+
 def build_worker(
     layers: int, num_blocks: int, *, read_tails_by_layer: bool = False, digest: bool = False
 ) -> TailWorker:
     _raw, views = make_cache(layers, num_blocks, 8, BLOCK_TOKENS, 256, torch.bfloat16)
     names = [f"layer.{i}" for i in range(layers)]
-    spec = SimpleNamespace(block_size=BLOCK_TOKENS, tokens_per_state=1)
+    spec = SimpleNamespace(
+        block_size=BLOCK_TOKENS,
+        tokens_per_state=1,
+        num_heads=int(views[0].shape[1]),
+        state_content_size_bytes=int(views[0].shape[3]) * views[0].element_size(),
+    )
+    layer = SimpleNamespace(attn_backend=_FlashAttentionPages, kv_cache_dtype="auto")
     kv_cache_config = SimpleNamespace(
         num_blocks=num_blocks,
         kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
@@ -126,7 +142,9 @@ def build_worker(
         ),
         stats=KVTailStats(),
     )
-    worker.register_kv_caches(dict(zip(names, views, strict=True)), kv_cache_config)
+    worker.register_kv_caches(
+        dict(zip(names, views, strict=True)), kv_cache_config, dict.fromkeys(names, layer)
+    )
     worker._keep_alive = views  # type: ignore[attr-defined]
     return worker
 
