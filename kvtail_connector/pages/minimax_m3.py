@@ -88,10 +88,17 @@ def _main_plain(page: LayerPage) -> bool:
     )
 
 
+def indexer_role(page: LayerPage) -> bool:
+    """The spec is an index side cache's: ``MiniMaxM3IndexerCache.
+    get_kv_cache_spec`` sets ``cache_role=SparseCacheRole.INDEXER`` (0.32-0.34)."""
+    return getattr(page.field("cache_role"), "name", None) == "INDEXER"
+
+
 def _indexer_plain(page: LayerPage) -> bool:
     """MiniMaxM3IndexerCache's bf16/fp8 spec: one key-only 128-wide row per token."""
     return (
         unpacked(page)
+        and indexer_role(page)
         and page.field("num_kv_heads") == 1
         and page.field("head_size") == HEAD_DIM
         and page.field("head_size_v", 0) == 0

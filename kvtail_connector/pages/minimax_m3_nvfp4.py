@@ -154,6 +154,7 @@ def _indexer_covers(page: LayerPage) -> bool:
     quantization inside the cell (the spec's own quant mode is NONE)."""
     return (
         page.quant_mode == "NONE"
+        and getattr(page.field("cache_role"), "name", None) == "INDEXER"
         and page.field("dtype") == torch.uint8
         and page.field("num_kv_heads") == 1
         and page.field("head_size") == CELL_BYTES

@@ -141,14 +141,17 @@ class Published:
 
 
 def _reshaping_classes() -> list[str]:
-    """``module.Class`` of every class in the vLLM tree defining ``customize_spec``."""
+    """``module.Class`` of every module-level class in the vLLM tree defining
+    ``customize_spec`` (a class a factory makes per layer, like
+    ``composite.create_composite_attention_backend``'s, has no importable
+    path: its layers name a ``<locals>`` class no map lists, and are refused)."""
     found = []
     for path in sorted(_ROOT.rglob("*.py")):
         source = path.read_text(errors="replace")
         if "def customize_spec" not in source:
             continue
         module = ".".join(("vllm", *path.relative_to(_ROOT).with_suffix("").parts))
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.parse(source).body:
             if isinstance(node, ast.ClassDef) and any(
                 isinstance(item, ast.FunctionDef) and item.name == "customize_spec"
                 for item in node.body
@@ -166,6 +169,31 @@ def backend_paths() -> list[str]:
     return sorted(paths)
 
 
+def real_triton_everywhere() -> None:
+    """Point ``vllm.triton_utils`` at the real Triton (kernels run under the
+    interpreter), and every vLLM module already imported around its
+    placeholder too: the scheduler suite tells 0.34's CPU platform Triton is
+    there (``HAS_TRITON``), so a module bound to the placeholder, like
+    ``jit_warmup_triton_helper``, would break every later import using it."""
+    import triton
+    import triton.language as tl
+    from vllm.triton_utils import importing
+
+    from tests.helpers.vllm_triton import _real_triton
+
+    _real_triton()
+    placeholders = {
+        "triton": importing.TritonPlaceholder,
+        "tl": importing.TritonLanguagePlaceholder,
+    }
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.") or module is None:
+            continue
+        for attr, real in (("triton", triton), ("tl", tl)):
+            if isinstance(getattr(module, attr, None), placeholders[attr]):
+                setattr(module, attr, real)
+
+
 def load(path: str) -> type:
     """The class at ``path``, imported with missing GPU libraries stubbed.
 
@@ -173,9 +201,19 @@ def load(path: str) -> type:
         ImportError / AttributeError / AssertionError: it cannot be imported
             here (a CUDA-only module body, a module vLLM lists but lacks).
     """
+    real_triton_everywhere()
     module, _, name = path.rpartition(".")
     with cpu_import_shims():
-        cls = getattr(import_with_stubs(module), name)
+        try:
+            imported = import_with_stubs(module)
+        except ImportError as e:
+            # A model's platform module importing its model, which imports
+            # it back (qwen4_exp/<platform>/qsa.py): its model imports first.
+            if "partially initialized" not in str(e):
+                raise
+            import_with_stubs(module.rpartition(".")[0] + ".model")
+            imported = import_with_stubs(module)
+        cls = getattr(imported, name)
     if not isinstance(cls, type):
         raise ImportError(f"{path} is not a class here ({type(cls).__name__})")
     return cls
@@ -189,12 +227,25 @@ def _kv_dtypes(backend: type) -> tuple[str, ...]:
     return tuple(declared) if declared else _ALL_DTYPES
 
 
-def _head_size(backend: type) -> int:
+# Head sizes tried first: the common GQA head, the MLA latent (kv_lora_rank
+# 512 + rope 64, every DeepSeek-style model's), then the rest.
+_PREFERRED_HEADS = (128, 576)
+
+
+def _head_size(backend: type, mla: bool) -> int:
+    """A head size the backend takes (``supports_head_size``)."""
     try:
-        sizes = backend.get_supported_head_sizes()
+        sizes = [int(s) for s in backend.get_supported_head_sizes()]
     except Exception:
         sizes = []
-    return int(sizes[0]) if sizes else 128
+    preferred = (576, 128) if mla else _PREFERRED_HEADS
+    for size in (*preferred, *sizes, 64, 192, 256):
+        try:
+            if backend.supports_head_size(size):
+                return size
+        except Exception:
+            break
+    return sizes[0] if sizes else 128
 
 
 def _block_size(backend: type) -> int:
@@ -225,7 +276,7 @@ def _base_spec(backend: type, kv_cache_dtype: str) -> Any:
     fields = dict(
         block_size=_block_size(backend),
         num_kv_heads=1 if mla else 2,
-        head_size=_head_size(backend),
+        head_size=_head_size(backend, mla),
         dtype=dtype,
         kv_quant_mode=kvi.get_kv_quant_mode(kv_cache_dtype),
     )
@@ -245,9 +296,32 @@ def _view(spec: Any, backend: type) -> torch.Tensor:
     layout = layouts[0] if layouts else KVCacheLayout.LBHNC
     num_blocks = 3
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, 1, layout)
-    tensor = KVCacheTensor(size=0, layers=["l0"], layer_stride=layer_stride, block_stride=block_stride)
+    tensor = KVCacheTensor(
+        size=0, layers=["l0"], layer_stride=layer_stride, block_stride=block_stride
+    )
     raw = torch.zeros(num_blocks * spec.page_size_bytes, dtype=torch.int8)
     return kvi.create_kv_cache_views(raw, spec, num_blocks, layout, tensor)[0]
+
+
+# The rotary dim Octave formats are sized with: vLLM registers the model's at
+# start-up (rocm_octave.register_rope_dim, from partial_rotary_factor).
+_OCTAVE_ROPE_DIM = 64
+
+
+def _register_rope_dim(head_size: int) -> None:
+    from vllm.v1.attention.ops import rocm_octave
+
+    if head_size not in rocm_octave._rope_dim_by_head_size:
+        rocm_octave.register_rope_dim(head_size, _OCTAVE_ROPE_DIM)
+
+
+def customize_attention_spec(backend: type, spec: Any) -> Any:
+    """The spec the runners keep for a layer of ``backend``
+    (v1/worker/utils.py ``customize_attention_spec``: the backend's
+    ``customize_spec``, then whole-kernel-block alignment)."""
+    from vllm.v1.worker.utils import customize_attention_spec as customize
+
+    return customize(backend, spec)
 
 
 def published(backend: type) -> Iterator[Published | tuple[str, str, str]]:
@@ -258,7 +332,9 @@ def published(backend: type) -> Iterator[Published | tuple[str, str, str]]:
     for kv_cache_dtype in _kv_dtypes(backend):
         try:
             base = _base_spec(backend, kv_cache_dtype)
-            spec = backend.customize_spec(base)
+            if kv_cache_dtype.startswith("octave_"):
+                _register_rope_dim(base.head_size)
+            spec = customize_attention_spec(backend, base)
             if not dataclasses.is_dataclass(spec):
                 raise TypeError(f"customize_spec returned {type(spec).__name__}")
             view = _view(spec, backend)
@@ -266,3 +342,33 @@ def published(backend: type) -> Iterator[Published | tuple[str, str, str]]:
             yield (path, kv_cache_dtype, f"{type(e).__name__}: {e}"[:200])
             continue
         yield Published(backend, kv_cache_dtype, spec, view)
+
+
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+
+def layer_for(pub: Published) -> Any:
+    """The layer object a layer of ``pub``'s backend has, as far as the page
+    maps read it: a ``LayerDouble`` naming the backend and dtype; for
+    CPU_ATTN also the ISA its metadata builder sets on every layer
+    (cpu_attn.py ``_set_isa_to_layers``: ``_get_attn_isa(model dtype, block
+    size, head size, kv_cache_dtype)``, the host's own detection) and the
+    model dtype.
+
+    Raises:
+        NotImplementedError: vLLM's ISA choice refuses the combination on
+            this host (an fp8 cache without AVX-512 or AMX).
+    """
+    from tests.helpers.worker_caches import LayerDouble
+
+    layer = LayerDouble(pub.backend, pub.kv_cache_dtype)
+    path, _ = pub.key
+    if path == CPU_ATTN:
+        from vllm.v1.attention.backends import cpu_attn
+
+        model_dtype = pub.spec.dtype if pub.spec.dtype.is_floating_point else torch.bfloat16
+        layer.isa = cpu_attn._get_attn_isa(  # type: ignore[attr-defined]
+            model_dtype, pub.spec.block_size, pub.spec.head_size, pub.kv_cache_dtype
+        )
+        layer.dtype = model_dtype  # type: ignore[attr-defined]
+    return layer

@@ -40,9 +40,9 @@ from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.pages import UnmappedPage, layer_cache
 from kvtail_connector.tails import first_stale_slot
-from tests.helpers.backend_walk import cpu_import_shims
+from tests.helpers.backend_walk import cpu_import_shims, real_triton_everywhere
 from tests.helpers.stub_imports import import_with_stubs
-from tests.helpers.vllm_triton import _real_triton, import_writer
+from tests.helpers.vllm_triton import import_writer
 from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -54,14 +54,12 @@ ZERO_PATHS = pytest.mark.parametrize(("path", "device"), PATHS, ids=PATH_IDS)
 
 def needs(version: tuple[int, int], why: str) -> pytest.MarkDecorator:
     """Skip on vLLM releases before ``version`` (the layout is not in them)."""
-    return pytest.mark.skipif(VERSION < version, reason=f"vLLM {VERSION[0]}.{VERSION[1]}: {why}")
+    return pytest.mark.skipif(version > VERSION, reason=f"vLLM {VERSION[0]}.{VERSION[1]}: {why}")
 
 
 def before(version: tuple[int, int], why: str) -> pytest.MarkDecorator:
     """Skip on vLLM ``version`` and later (the class is gone there)."""
-    return pytest.mark.skipif(
-        VERSION >= version, reason=f"vLLM {VERSION[0]}.{VERSION[1]}: {why}"
-    )
+    return pytest.mark.skipif(version <= VERSION, reason=f"vLLM {VERSION[0]}.{VERSION[1]}: {why}")
 
 
 def valid_counts(block_tokens: int) -> tuple[int, ...]:
@@ -150,10 +148,10 @@ def import_model(module: str, *, writer: bool = False) -> types.ModuleType:
     tells 0.34's CPU platform Triton is there, so a placeholder would be
     used as Triton; kernels run under the interpreter). With ``writer`` the
     module is imported again if it was imported around the placeholder."""
+    real_triton_everywhere()
     with _bare_packages(_model_packages(module)), cpu_import_shims():
         if writer:
             return import_writer(module, stubs=True)
-        _real_triton()
         return import_with_stubs(module)
 
 
@@ -348,8 +346,8 @@ def plain_kv_writer(head_size: int, heads: int, kv_cache_dtype: str, tokens: int
     def write(layer: str, view: torch.Tensor, slots: Sequence[int]) -> None:
         keys, values = data[layer]
         index = torch.tensor(list(slots), dtype=torch.int64)
-        key_cache, value_cache = fp8_view(view, kv_cache_dtype).transpose(1, 2).split(
-            head_size, dim=-1
+        key_cache, value_cache = (
+            fp8_view(view, kv_cache_dtype).transpose(1, 2).split(head_size, dim=-1)
         )
         n = key_cache.shape[1]
         key_cache[index // n, index % n] = keys[index].to(key_cache.dtype)
@@ -387,8 +385,8 @@ def vllm_plain_kv_store(
     ``view.transpose(1, 2).split(head_size, -1)``, under the interpreter."""
     ops = import_model("vllm.v1.attention.ops.triton_reshape_and_cache_flash", writer=True)
     scale = torch.ones((), dtype=torch.float32)
-    key_cache, value_cache = fp8_view(view, kv_cache_dtype).transpose(1, 2).split(
-        keys.shape[-1], dim=-1
+    key_cache, value_cache = (
+        fp8_view(view, kv_cache_dtype).transpose(1, 2).split(keys.shape[-1], dim=-1)
     )
     index = torch.tensor(list(slots), dtype=torch.int64)
     with _cuda_facts():

@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtail_connector.ops import RegionCache
@@ -41,9 +41,9 @@ from tests.scheduler.pages.model_harness import (
     import_model,
     needs,
     num_blocks,
+    plain_kv_writer,
     published,
     random_tokens,
-    plain_kv_writer,
 )
 
 M = "vllm.models.minimax_m3."
@@ -149,8 +149,10 @@ def nvfp4_main_writer(heads: int):
     perm = interleave.interleave_v_scales(torch.arange(BLOCK * 8).view(1, 1, BLOCK, 8)).flatten()
     tokens = num_blocks(BLOCK) * BLOCK
     data = {
-        name: [random_tokens((tokens, heads, w), torch.uint8, seed=4 * i + j) for j, w in
-               enumerate((64, 8, 64, 8))]
+        name: [
+            random_tokens((tokens, heads, w), torch.uint8, seed=4 * i + j)
+            for j, w in enumerate((64, 8, 64, 8))
+        ]
         for i, name in enumerate(LAYERS)
     }
 
@@ -199,8 +201,10 @@ def nvfp4_index_writer():
     ``128 * 64 + 8 t`` (re-implemented here: the writers are CUDA)."""
     tokens = num_blocks(BLOCK) * BLOCK
     data = {
-        name: (random_tokens((tokens, 64), torch.uint8, 2 * i),
-               random_tokens((tokens, 8), torch.uint8, 2 * i + 1))
+        name: (
+            random_tokens((tokens, 64), torch.uint8, 2 * i),
+            random_tokens((tokens, 8), torch.uint8, 2 * i + 1),
+        )
         for i, name in enumerate(LAYERS)
     }
 
@@ -245,16 +249,26 @@ def aiter_pa_spec() -> FullAttentionSpec:
 def test_aiter_sparse_pa_is_refused_with_the_settings_that_work():
     backend = class_at(AITER_PA)
     layer = ModelLayer(backend, "bfloat16")
-    assert_refused(published(backend, aiter_pa_spec()), layer, KVCacheLayout.LBHNC,
-                   "AITER", "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=0")
+    assert_refused(
+        published(backend, aiter_pa_spec()),
+        layer,
+        KVCacheLayout.LBHNC,
+        "AITER",
+        "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT=0",
+    )
 
 
 @needs((0, 34), "MiniMax-M3's ROCm NVFP4 backend is new in vLLM 0.34")
 def test_rocm_nvfp4_is_refused_two_tokens_share_a_byte():
     backend = class_at(ROCM_NVFP4)
     spec = main_spec("nvfp4", backend)
-    assert_refused(spec, ModelLayer(backend, "nvfp4"), KVCacheLayout.LBHNC,
-                   "two consecutive tokens", "--kv-cache-dtype fp8")
+    assert_refused(
+        spec,
+        ModelLayer(backend, "nvfp4"),
+        KVCacheLayout.LBHNC,
+        "two consecutive tokens",
+        "--kv-cache-dtype fp8",
+    )
 
 
 @pytest.mark.parametrize("indexer_kv_dtype", ["bf16", "fp8"])

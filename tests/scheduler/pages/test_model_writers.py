@@ -53,21 +53,29 @@ def test_plain_kv_index_math_is_triton_reshape_and_cache_flash(kv_cache_dtype, l
     heads, head_size, block = 2, 64, 16
     dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.uint8
     spec = FullAttentionSpec(
-        block_size=block, num_kv_heads=heads, head_size=head_size, dtype=dtype,
+        block_size=block,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=dtype,
         kv_quant_mode=get_kv_quant_mode(kv_cache_dtype),
     )
     slots = [0, 5, block - 1, block, 2 * block + 7]
     ours: Writer = plain_kv_writer(head_size, heads, kv_cache_dtype, 3 * block)
-    keys, values = (random_tokens((len(slots), heads, head_size), torch.bfloat16, s) for s in (1, 2))
+    keys, values = (
+        random_tokens((len(slots), heads, head_size), torch.bfloat16, s) for s in (1, 2)
+    )
     assert_same_bytes(
-        spec, layout,
+        spec,
+        layout,
         lambda view: ours(LAYER, view, slots),
         lambda view: vllm_plain_kv_store(view, slots, keys, values, kv_cache_dtype),
     )
 
 
 @triton.jit
-def _summaries(Mean, Slots, store: tl.constexpr, MEAN_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _summaries(
+    Mean, Slots, store: tl.constexpr, MEAN_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
     """Calls vLLM's ``_store_summary`` for one closing slot per program, as
     ``_update_decode_values`` does for the row at ``position % 8 == 7``
     (the whole update does not run under the interpreter: its libdevice
@@ -115,13 +123,17 @@ def test_sconv_index_math_is_fused_sconv(platform):
             x = random_tokens((t, rows.INK_HEADS * width), torch.bfloat16, seed=s).contiguous()
             weight = torch.zeros(rows.INK_HEADS * width, block, dtype=torch.bfloat16)
             sconv.fused_sconv(
-                x, weight, view,
+                x,
+                weight,
+                view,
                 torch.tensor(slots, dtype=torch.int64),  # positions
                 torch.arange(3, dtype=torch.int32).unsqueeze(0),  # block table
                 torch.zeros(t, dtype=torch.int32),  # seq_idx
                 torch.tensor(slots, dtype=torch.int64),  # slot mapping
                 torch.zeros(t, dtype=torch.int32),  # query start
-                off, width, block,
+                off,
+                width,
+                block,
             )
 
     assert_same_bytes(spec, KVCacheLayout.LBHNC, lambda view: ours(LAYER, view, slots), vllms)
