@@ -421,3 +421,10 @@ def kv_cache_access(inner_transfer_config: Any) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     return KVConnectorFactory.kv_cache_access(inner_transfer_config)  # type: ignore[attr-defined]
+
+
+def nvfp4_head_slot_layout_in_tree() -> bool:
+    """Whether the installed vLLM ships the definition of MiniMax-M3's NVFP4
+    page layout (``fmha_sm100``'s ``nvfp4_kv`` and ``interleave_v_scales``):
+    0.33 and 0.34; 0.32's tree has only ``nvfp4_kv_cache_views``' docstring."""
+    return check_vllm_version() >= (0, 33)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvtail_connector.pages.layer import LayerPage
-from kvtail_connector.pages.maps import PageCache, PageMap
-from kvtail_connector.pages.plain import plain_view, unpacked
+from kvtail_connector.pages.maps import PageMap
+from kvtail_connector.pages.plain import one_row_view, plain_view, unpacked
 from kvtail_connector.pages.refused import refused
-from kvtail_connector.pages.views import check_view
 
 _M = "vllm.models.minimax_m3."
 
@@ -107,14 +106,6 @@ def _indexer_plain(page: LayerPage) -> bool:
     )
 
 
-def _one_row_view(page: LayerPage) -> PageCache:
-    check_view(page)
-    view = page.view
-    if view.shape[1] != 1:
-        raise ValueError(f"expected one head slot (the key row), got view {tuple(view.shape)}")
-    return view
-
-
 MAIN_PLAIN = PageMap(
     layout="MiniMax-M3 sparse K/V, bf16/fp8 (plain cells)",
     backends=MAIN_BACKENDS,
@@ -126,7 +117,7 @@ INDEXER_PLAIN = PageMap(
     layout="MiniMax-M3 indexer keys, bf16/fp8 (plain rows)",
     backends=INDEXER_BACKENDS,
     covers=_indexer_plain,
-    cache=_one_row_view,
+    cache=one_row_view,
 )
 
 

@@ -52,13 +52,6 @@ SLOT_BYTES = PAGE_TOKENS * CELL_BYTES  # one head slot: all data, then all scale
 QUAD = 4  # tokens whose V scales of one group share an aligned 32-bit word
 
 
-def layout_in_tree() -> bool:
-    """Whether the installed vLLM ships the NVFP4 page layout's definition
-    (``fmha_sm100``'s ``nvfp4_kv`` and ``interleave_v_scales``: vLLM 0.33 on).
-    TODO(lead): a per-release fact; move to ``_compat``."""
-    return _compat.check_vllm_version() >= (0, 33)
-
-
 def slot_owner(heads: int) -> np.ndarray:
     """The token owning each byte of one ``[2 * heads, 128, 72]`` main page."""
     t = np.arange(PAGE_TOKENS)
@@ -108,12 +101,12 @@ def _main_covers(page: LayerPage) -> bool:
     return (
         _packed(page, CELL_BYTES, 2 * int(page.field("num_kv_heads", 0)))
         and page.field("kv_head_major_slots", True) is True
-        and layout_in_tree()
+        and _compat.nvfp4_head_slot_layout_in_tree()
     )
 
 
 def _main_hint(page: LayerPage) -> str | None:
-    if layout_in_tree():
+    if _compat.nvfp4_head_slot_layout_in_tree():
         return None
     return (
         "MiniMax-M3 NVFP4 pages on vLLM 0.32: the order of their V block scales is defined "

@@ -82,6 +82,16 @@ def plain_view(page: LayerPage) -> PageCache:
     return page.view
 
 
+def one_row_view(page: LayerPage) -> PageCache:
+    """The view, where token ``n`` owns one row ``view[b, 0, n, :]`` (a
+    single head slot: a key row, a latent, a compressed state)."""
+    check_view(page)
+    view = page.view
+    if view.shape[1] != 1:
+        raise ValueError(f"expected one head slot (a row per token), got {tuple(view.shape)}")
+    return view
+
+
 def _dense_pages_view(page: LayerPage) -> PageCache:
     _, slots, _ = check_view(page)
     view = page.view

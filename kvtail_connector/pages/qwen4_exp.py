@@ -26,9 +26,8 @@ from __future__ import annotations
 import torch
 
 from kvtail_connector.pages.layer import LayerPage
-from kvtail_connector.pages.maps import PageCache, PageMap
-from kvtail_connector.pages.plain import plain_view, unpacked
-from kvtail_connector.pages.views import check_view
+from kvtail_connector.pages.maps import PageMap
+from kvtail_connector.pages.plain import one_row_view, plain_view, unpacked
 
 _Q = "vllm.models.qwen4_exp."
 
@@ -96,14 +95,6 @@ def _compressed(page: LayerPage) -> bool:
     )
 
 
-def _one_row_view(page: LayerPage) -> PageCache:
-    check_view(page)
-    view = page.view
-    if view.shape[1] != 1:
-        raise ValueError(f"expected one head slot, got view {tuple(view.shape)}")
-    return view
-
-
 MAIN = PageMap(
     layout="Qwen4-exp QSA K/V, bf16/fp8 (plain cells)",
     backends=MAIN_BACKENDS,
@@ -122,7 +113,7 @@ COMPRESSED = PageMap(
     layout="Qwen4-exp QSA compressed keys (plain, one state per compress_ratio tokens)",
     backends=COMPRESSED_BACKENDS,
     covers=_compressed,
-    cache=_one_row_view,
+    cache=one_row_view,
 )
 
 MAPS = (MAIN, OCTAVE, COMPRESSED)
