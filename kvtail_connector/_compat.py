@@ -2,8 +2,8 @@
 
 Other modules ask this one; none of them compares versions itself.
 
-Differences between 0.32.0 and 0.33.0 that need no bridge here (the package
-reads none of them; found while writing the scheduler tests, which run on both):
+Differences between 0.32.0 and 0.33.0 that need no bridge here, because the
+package reads none of them:
 
 - ``Scheduler``: 0.33 adds ``deferred_loads`` (async loads whose
   ``update_state_after_alloc`` waits for ``_drain_deferred_loads`` in
@@ -59,9 +59,9 @@ checked and need no bridge:
   would compute it again from that config alone).
 - The two bugs remain: async-load blocks are still kept from alloc-time
   zeroing and a successful load's tail is never zeroed; MoRIIO's READ filter is
-  still gated on ``_has_mamba``. It now covers every attention group of a
-  hybrid (``block_ids[:len(_attn_group_ids)]``), since 0.34 drops the
-  one-attention-group rule for hybrid READ, so the wrapper still leaves Mamba
+  still gated on ``_has_mamba``. On 0.34 it covers every attention group of a
+  hybrid (``block_ids[:len(_attn_group_ids)]``), as 0.34 drops the
+  one-attention-group rule for hybrid READ, so the wrapper leaves Mamba
   hybrids to it (Mamba pages are never on the list). Every MoRIIO READ of a
   step still lands in ``start_load_kv`` (:func:`moriio_reads_landed_at_start`).
 - ``Scheduler.add_request`` calls ``on_new_request`` before it queues the

@@ -23,9 +23,9 @@ Wire format (JSON; :data:`VERSION` 2)::
 
 - ``v``: an integer. Within a version keys are only ever added, never
   changed in meaning; a reader ignores keys it does not know. A consumer that
-  does not know ``v`` behaves exactly as without an entry. Version 1 (no
-  ``pv``, ``bind`` or ``mac``) was written only by kvtail-connector 0.1.0, a
-  producer listed in :data:`KNOWN_WRONG_PRODUCERS`: refused.
+  does not know ``v`` behaves exactly as without an entry. A version-1 entry
+  (no ``pv``, ``bind`` or ``mac``) is refused: the only producer that writes
+  one, kvtail-connector 0.1.0, is listed in :data:`KNOWN_WRONG_PRODUCERS`.
 - ``pv``: the producer's package version (``kvtail_connector.__version__``);
   a consumer refuses producers listed in :data:`KNOWN_WRONG_PRODUCERS`.
 - ``n``: the prompt tokens P's KV holds, ``1 <= n <= max_model_len`` of D.
@@ -74,17 +74,18 @@ TAIL_ZERO = "zero"
 MAX_SEGMENTS = 32
 MIN_SEGMENT = 256
 
-# Producer versions whose entries a consumer refuses, with the reason. Entries
-# of version 1 carry no producer version; only 0.1.0 wrote them.
+# Producer versions whose entries a consumer refuses, with the reason.
 KNOWN_WRONG_PRODUCERS: dict[str, str] = {
     "0.1.0": (
-        "claims could cover a NIXL host buffer (kv_buffer_device cpu: blocks copied to the "
-        "host when allocated, before the tail was zeroed) and a request preempted after its "
-        "tail was zeroed; fixed in 100ef34 (0.2.0), but a 0.1.0 entry cannot say whether its "
-        "producer had the fix"
+        "a 0.1.0 producer can claim a tail over a NIXL host buffer (kv_buffer_device cpu: "
+        "blocks copied to the host when allocated, before the tail is zeroed) and for a "
+        "request preempted after its tail was zeroed; an entry names the version, not "
+        "whether its build avoids this"
     ),
 }
-_LEGACY_PRODUCER = {1: "0.1.0"}  # entry version -> the only producer that wrote it
+# Entry versions that carry no producer version -> the only producer that
+# writes them (refused as that producer is).
+_LEGACY_PRODUCER = {1: "0.1.0"}
 
 # Shape caps that do not depend on D's model (the rest are in Limits).
 MAX_STRING = 256  # longest string anywhere in an entry (keys included)

@@ -4,20 +4,12 @@ The wrapper's metadata carries the inner connector's metadata untouched, plus
 one :class:`LoadRecord` per load that started this step. Records are shipped
 once; workers keep them until the inner connector reports the load done.
 
-KVTAIL_PROTOCOL_VERSION: bump when a field changes meaning or layout.
-  1: LoadRecord(req_id, num_local, num_loaded, groups), GroupLoad(group,
-     first_block, block_ids); KVTailMetadata(inner, loads, read_loads).
-  2: LoadRecord.vouched; KVTailMetadata.producer_tails; KVTailWorkerMeta.
-  3: LoadRecord.expected; KVTailMetadata.producer_digests;
-     KVTailWorkerMeta.digests and verdicts (``verify_kv``).
-  4: KVTailMetadata.failing; KVTailWorkerMeta.false_vouches.
-  5: LoadRecord.states; DigestPart.states (state groups digested).
-  6: GroupLoad.block_ids pickled as one int64 buffer (an ``array('q')`` in a
-     worker process).
-
-This protocol is in-process (scheduler <-> workers of one engine); what
-crosses from a producer to a consumer is the ``kvtail`` entry
-(:mod:`kvtail_connector.entry`), versioned on its own.
+This protocol is in-process (scheduler <-> workers of one engine, one
+installed package on both ends): no reader meets another version of it.
+:data:`KVTAIL_PROTOCOL_VERSION`, which every :class:`KVTailMetadata` carries,
+is bumped when a field changes meaning or layout. What crosses from a producer
+to a consumer is the ``kvtail`` entry (:mod:`kvtail_connector.entry`),
+versioned on its own.
 """
 
 from __future__ import annotations
@@ -43,9 +35,9 @@ NULL_BLOCK = -1  # a block the load does not write (vLLM's null block)
 
 
 # The record types are NamedTuples: immutable like a frozen dataclass, and
-# built several times faster (a LoadRecord in ~0.2 µs on CPU, was ~1 µs; one
-# per load on the scheduler's step path; ``_replace`` where a part attaches
-# something).
+# built about five times faster (a LoadRecord in ~0.2 µs on CPU against ~1 µs
+# as a frozen dataclass: benchmarks/RESULTS.md §4, host cost); one is built per
+# load on the scheduler's step path. ``_replace`` where a part attaches something.
 
 
 class GroupLoad(NamedTuple):

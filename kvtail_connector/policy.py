@@ -244,8 +244,8 @@ def resolve_policy(
     # tails): the producer runs the same model and settings. Under "auto" a
     # claim pays only where a consumer with these settings skips on it (READ
     # tails zeroed layer by layer): elsewhere it zeroes anyway, and the
-    # producer's zeroing was most of the wrapper's own CPU time on a CPU
-    # prefill engine (RESULTS.md, section 5).
+    # producer's zeroing is most of the wrapper's own CPU time on a CPU
+    # prefill engine (benchmarks/RESULTS.md, section 5).
     claims_used = cfg.vouch_tails == "trust" or (sync_read and reads_may_land_per_layer)
     vouch = (
         claims_used
