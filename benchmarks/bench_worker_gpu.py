@@ -15,10 +15,11 @@ records bound, the digest launched in the hook, the worker metadata, its sums
 read back) and what D adds (loads with a digest completing: the digest
 launched, held, compared), per request size.
 
-The GPU machine has no vLLM: importing the worker side needs a few vLLM base
-classes and vLLM's logger, which ``without_vllm.install_if_absent()`` stands
-in for there (nothing else of vLLM runs on these paths;
-``tests/unit/test_import_paths.py`` runs them on CPU with vLLM blocked).
+It needs the package's own dependencies (torch, Triton, numpy, pydantic), not
+vLLM: importing the worker side needs a few vLLM base classes and vLLM's
+logger, which ``without_vllm.install_if_absent()`` stands in for where vLLM
+is not installed (nothing else of vLLM runs on these paths;
+``tests/unit/test_bench_worker_cpu.py`` runs them on CPU with vLLM blocked).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Stand-ins for the few vLLM names the worker side imports, for a machine without vLLM.
 
 The GPU benchmarks (``bench_worker_gpu.py``) run the worker's per-step paths
-where torch and Triton are installed but vLLM is not. Those paths run no vLLM
-code; importing them needs only what ``STAND_INS`` lists: the connector
+where the package's dependencies are installed but vLLM is not. Those paths
+run no vLLM code; importing them needs only what ``STAND_INS`` lists: the connector
 metadata and stats base classes, the transfer-results record and vLLM's logger
 factory. ``install_if_absent()`` builds modules holding those objects at run
 time and puts them into ``sys.modules`` under vLLM's module names, and only
@@ -10,11 +10,11 @@ when vLLM is not installed: with vLLM present it changes nothing.
 
 No folder named ``vllm`` exists in the tree for this (a tool that follows
 imports would take it for vLLM), and the package never falls back to these:
-production code imports the real vLLM. ``tests/with_vllm/test_without_vllm.py``
+production code imports the real vLLM. ``tests/with_vllm/test_vllm_stand_ins.py``
 checks every stand-in against the vLLM object it replaces (dataclass fields,
 abstract and public methods, signatures), so they cannot drift;
-``tests/unit/test_import_paths.py`` imports the worker side and this
-benchmark through them with vLLM and pydantic blocked.
+``tests/unit/test_import_paths.py`` imports the worker side through them with
+vLLM blocked, and ``tests/unit/test_bench_worker_cpu.py`` runs the benchmark so.
 """
 
 from __future__ import annotations

@@ -63,7 +63,9 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from kvtail_connector._version import __version__
 
@@ -321,6 +323,63 @@ class Reading:
 ABSENT = Reading(None, "absent")
 
 
+# The strict wire model :func:`read` parses with: no booleans or floats for
+# integers, no numeric strings, keys it does not know ignored. Bounds that
+# depend on D's model (``Limits``) are checked by :func:`read` after the parse.
+_Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+_HexU64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{16}$")]
+_Key = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+_Count = Annotated[int, Field(ge=1, le=1 << 24)]
+_STRICT = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class WireGeometry(BaseModel):
+    """An entry's ``geom``."""
+
+    model_config = _STRICT
+
+    bs: list[_Count]
+    dcp: _Count
+    ilv: _Count
+    sig: _Hex16
+
+
+class WireEntry(BaseModel):
+    """An entry without its ``dg`` (read apart, only when asked for)."""
+
+    model_config = _STRICT
+
+    v: int
+    pv: Annotated[str, StringConstraints(pattern=r"^[0-9A-Za-z.+!_-]{1,32}$")]
+    n: _Count
+    geom: WireGeometry
+    bind: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = None
+    tail: Annotated[str, StringConstraints(max_length=16)] | None = None
+    mac: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+
+class WireStates(BaseModel):
+    """A ``dg``'s ``st``."""
+
+    model_config = _STRICT
+
+    alg: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    sig: _Hex16
+    g: dict[_Key, dict[_Key, _HexU64]]
+
+
+class WireDigest(BaseModel):
+    """An entry's ``dg``."""
+
+    model_config = _STRICT
+
+    alg: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    seg: _Count
+    sig: _Hex16
+    g: dict[_Key, dict[_Key, list[_HexU64]]]
+    st: WireStates | None = None
+
+
 def measure(raw: Any, max_nodes: int) -> int | None:
     """Values in ``raw`` (dicts, lists and scalars; keys are checked with
     their dict), or None as soon as it holds more than ``max_nodes``, nests
@@ -393,9 +452,6 @@ def read(
         walked = {k: v for k, v in raw.items() if k != "dg"}
     if measure(walked, limits.max_nodes) is None:
         return Reading(None, "too large")
-    # Scheduler side only: the workers import this module without pydantic.
-    from kvtail_connector.entry_wire import ValidationError, WireEntry
-
     try:
         wire = WireEntry.model_validate(raw)
     except ValidationError:
@@ -424,8 +480,6 @@ def _read_digest(raw: Any, num_tokens: int, limits: Limits) -> tuple[Digest | No
     have chosen, ``ceil(n / seg)`` sums per head, D's groups and heads only."""
     if raw is None:
         return None, "absent"
-    from kvtail_connector.entry_wire import ValidationError, WireDigest
-
     try:
         wire = WireDigest.model_validate(raw)
     except ValidationError:

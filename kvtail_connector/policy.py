@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:  # the worker side imports this module without pydantic (GPU benchmarks)
+if TYPE_CHECKING:
     from kvtail_connector.config import KVTailConfig
 
 ProducerHook = Literal["finish_forward", "wait_for_save"]

@@ -1,9 +1,9 @@
 """Make a fresh interpreter behave as if some packages were not installed.
 
 For probes run with ``python -c``: the source :func:`hide` returns goes first
-in the probe. The GPU benchmark machine has neither vLLM nor pydantic; on this
-machine both are installed, so hiding them is how a test gets that machine's
-view of the imports.
+in the probe. The GPU benchmarks run without vLLM, and the kernel benchmarks
+without pydantic too; on this machine both are installed, so hiding them is
+how a test gets a benchmark machine's view of the imports.
 """
 
 from __future__ import annotations

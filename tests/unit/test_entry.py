@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtail_connector import entry, entry_wire
+from kvtail_connector import entry
 from kvtail_connector._version import __version__
 
 LIMITS = entry.Limits(max_tokens=4096, num_groups=3, num_kv_heads=4)
@@ -351,14 +351,14 @@ def test_an_oversized_entry_is_refused_before_any_parse(size, kind, monkeypatch_
 def monkeypatch_parse():
     """Records each strict parse of an entry (a spy around the real one)."""
     calls: list[int] = []
-    original = entry_wire.WireEntry.model_validate
+    original = entry.WireEntry.model_validate
 
     def spy(obj: Any, *args: Any, **kw: Any) -> Any:
         calls.append(1)
         return original(obj, *args, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(entry_wire.WireEntry, "model_validate", spy)
+    mp.setattr(entry.WireEntry, "model_validate", spy)
     yield calls
     mp.undo()
 
