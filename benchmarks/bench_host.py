@@ -175,7 +175,7 @@ class _Side:
         self.worker = make_worker_connector(vllm_config, self.scheduler.kv_cache_config)
         self.caches = allocate(self.scheduler.kv_cache_config) if caches else None
         if self.caches is not None:
-            self.worker.register_kv_caches(self.caches.views)
+            self.worker.register_kv_caches(self.caches.publish(vllm_config))
         self.hook_ns = 0
         self.hook_calls = 0
         self.per_hook: dict[str, list[int]] = {}  # hook -> [ns, calls] this step
@@ -423,9 +423,8 @@ def bench_scheduler(steps: int, hook_steps: int, *, floor: bool = False) -> dict
 def _bench_load_length(wrapper: Any, bare: Any) -> dict[str, Any]:
     """Scheduler-side cost of one load's ``update_state_after_alloc`` by load length.
 
-    The wrapper keeps the allocation here and builds the load's record
-    (O(blocks)) with the step's metadata: both are timed. Called directly on
-    both scheduler-role connectors with the same request and blocks.
+    The wrapper builds the load's record (O(blocks)) in the hook. Called
+    directly on both scheduler-role connectors with the same request and blocks.
     """
     from types import SimpleNamespace
 
@@ -443,19 +442,16 @@ def _bench_load_length(wrapper: Any, bare: Any) -> dict[str, Any]:
             req = SimpleNamespace(request_id=f"L{tokens}_{i}", kv_transfer_params={})
             for name, conn in (("wrapper", wrapper), ("bare", bare))[:: 1 if i % 2 else -1]:
                 if name == "wrapper":
-                    ts.load_starts[req.request_id] = (0, True)  # the match
+                    ts.get_num_new_matched_tokens(req, 0, tokens, True)  # the match
                 t0 = pc()
                 conn.update_state_after_alloc(req, blocks, tokens)
-                if name == "wrapper":
-                    ts._record_allocations(None)  # built with the step's metadata
                 times[name].append(pc() - t0)
                 inner = conn.inner if name == "wrapper" else conn
                 inner._forget(req.request_id)
                 inner.calls.clear()
-        pending = ts._tails.pending  # the consumer-tails part's records of this step
+        pending = ts._tails.take()  # the consumer-tails part's loads of this step
         if len(pending) != reps:
             raise RuntimeError(f"expected {reps} records, got {len(pending)}")
-        ts._tails.clear()
         st = _pair_stats(times["wrapper"], times["bare"])
         st["blocks"] = nblocks
         st["added_us_per_block"] = st["added_us"] / nblocks

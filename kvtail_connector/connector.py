@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtail_connector import _compat, entry
+from kvtail_connector import _compat
 from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
         PromMetricT,
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    from kvtail_connector.scheduler import TailScheduler
 
 
 # Public names of vLLM's connector base classes that the wrapper answers
@@ -121,7 +119,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = parts.worker
         # Every hook: the inner connector's part as if unwrapped, ours inside
         # try, its exceptions contained here (kvtail_connector.containment).
-        self._guard = Containment(self._inner, self._stats)
+        self._guard = Containment(self._stats)
         self._last_held = 0  # the held_requests level last reported
 
     @property
@@ -358,70 +356,32 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         groups = self._inner.get_loaded_kv_cache_group_ids(request)
-        scheduler = self._scheduler
-        if scheduler is None:
+        if self._scheduler is None:
             return groups
-        # vLLM asks this right before it allocates an async load's blocks (the
-        # groups it then keeps from zeroing); the allocation hook that follows
-        # uses the same answer instead of asking again. Kept as a tuple: it is
-        # read twice (the ids written, then the record), and an iterator or a
-        # list the inner connector changes later would leave a record short.
-        kept = groups
-        if type(groups) is not tuple:
-            try:
-                it = iter(groups)
-            except TypeError:
-                # Not iterable (vLLM only tests membership): not kept; the
-                # allocation asks again and contains what that raises.
-                scheduler.asked_loaded = None
-                return groups
-            kept = tuple(it)  # what the inner's iterable raises is its own
-            if it is groups:
-                groups = kept  # an iterator, spent here: vLLM reads the tuple
-        scheduler.asked_loaded = (request, kept)
-        return groups
+        return self._scheduler.get_loaded_kv_cache_group_ids(request, groups)  # type: ignore[no-any-return]
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         count, load_async = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        # The load's start (LoadStarts), kept to its allocation: stored in
-        # place, no call (this runs once per waiting request, cold).
-        starts = self._scheduler.load_starts  # type: ignore[union-attr]
-        if count:
-            # load_async as given: every reader takes its truth (bool()).
-            starts[request.request_id] = (num_computed_tokens, load_async)
-        else:
-            starts.pop(request.request_id, None)
+        scheduler = self._scheduler
+        assert scheduler is not None, "scheduler-side hook"
+        scheduler.get_num_new_matched_tokens(request, num_computed_tokens, count, load_async)
         return count, load_async
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
         return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        # Called twice per load (the second time with nothing loaded), inside
-        # vLLM's per-request loop: kept short (each line runs cold there).
-        scheduler: TailScheduler = self._scheduler  # type: ignore[assignment]
-        if (
-            num_external_tokens > 0
-            and scheduler.reads_entries
-            and (
-                type(params := request.kv_transfer_params) is not dict
-                or entry.KEY in params
-                or scheduler.reads_absent_entries
-            )
-        ):
-            try:
-                # Before the inner update, which may rewrite what the entry's
-                # binding covers (NIXL push seeds remote_block_ids there).
-                scheduler.read_entry(request)
-            except Exception as exc:
-                self._alloc_failed(exc, request, blocks, num_external_tokens)
-                self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
-                return
+        scheduler = self._scheduler
+        assert scheduler is not None, "scheduler-side hook"
+        try:
+            scheduler.read_entry(request, num_external_tokens)
+        except Exception as exc:
+            self._alloc_failed(exc, request, blocks, num_external_tokens)
+            self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+            return
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
-        if num_external_tokens <= 0 and not (scheduler.load_starts or scheduler.load_readings):
-            return  # nothing loaded, nothing kept to forget (the second call)
         try:
             scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as exc:
@@ -444,7 +404,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert scheduler is not None, "scheduler-side hook"
         inner_meta = self._inner.build_connector_meta(scheduler_output)
         try:
-            return scheduler.build_connector_meta(scheduler_output, inner_meta, self._record_failed)
+            return scheduler.build_connector_meta(scheduler_output, inner_meta)
         except Exception as exc:
             meta = self._guard.failed(
                 exc,
@@ -454,17 +414,12 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return meta if meta is not None else KVTailMetadata(inner=inner_meta)
 
-    def _record_failed(self, exc: Exception, req_id: str) -> None:
-        """One load's record, built with the step's metadata, failed: contained
-        (the load is reported failed), the other loads' records kept."""
-        self._guard.failed(exc, "build_connector_meta (a load's record)", (req_id,))
-
     def on_new_request(self, request: Any) -> None:
         # Inner first: NIXL and MoRIIO may shorten a producer's request to a
         # single-token prefill (max_tokens = 1) here, which is what we claim for.
         self._inner.on_new_request(request)
         scheduler = self._scheduler
-        if scheduler is not None and scheduler.notes_arrivals:
+        if scheduler is not None:
             try:
                 scheduler.on_new_request(request)
             except Exception as exc:

@@ -5,8 +5,9 @@ wrapper's part (``TailScheduler`` / ``TailWorker``) inside ``try``; an
 exception of the wrapper's part goes to :meth:`Containment.failed`, which
 
 - re-raises it unchanged when it came from the inner connector (an inner
-  method our code called, e.g. ``get_num_new_matched_tokens`` from
-  ``TailScheduler``): it then propagates exactly as without the wrapper;
+  method our part called through :func:`call_inner`, e.g.
+  ``get_loaded_kv_cache_group_ids`` for a load's record): it then propagates
+  exactly as without the wrapper;
 - re-raises it unchanged when it is a device error (``torch.AcceleratorError``,
   a ``RuntimeError`` starting "CUDA error" or "HIP error"): such an error is
   sticky, it may surface first in our ``event.query()`` or ``synchronize()``,
@@ -27,8 +28,9 @@ take its destinations out of vLLM's zero list, and the ERROR of a fallback
 names the READ tails left stale where neither holds; a producer request whose
 hook failed gets no claim (its consumer zeroes as after a plain producer).
 
-The normal path costs nothing: a ``try`` block is free in CPython 3.11, and
-the inner-or-ours test walks the traceback only once something was raised.
+The wrapper's parts call the inner connector only through :func:`call_inner`,
+which tags what it raises: that tag is the whole inner-or-ours test. The normal
+path costs nothing (a ``try`` block is free in CPython 3.11).
 """
 
 from __future__ import annotations
@@ -49,35 +51,37 @@ T = TypeVar("T")
 
 _INNER = "_kvtail_raised_by_inner"
 
+R = TypeVar("R")
+
+
+def call_inner(method: Callable[..., R], *args: Any) -> R:
+    """Call an inner connector's ``method`` from the wrapper's part of a hook:
+    what it raises is tagged as the inner connector's (:func:`raised_by`), so
+    the facade lets it propagate as without the wrapper."""
+    try:
+        return method(*args)
+    except BaseException as exc:
+        mark_inner(exc)
+        raise
+
 
 def mark_inner(exc: BaseException) -> None:
-    """Tag ``exc`` as the inner connector's: call where the wrapper's code
-    calls an inner method (``except BaseException as e: mark_inner(e); raise``)."""
-    # An exception type without attributes: the frame walk decides.
-    with contextlib.suppress(Exception):
+    """Tag ``exc`` as the inner connector's (see :func:`call_inner`)."""
+    with contextlib.suppress(Exception):  # an exception type refusing attributes stays ours
         setattr(exc, _INNER, True)
 
 
-def raised_by(exc: BaseException, obj: object) -> bool:
-    """Whether ``exc`` is the inner connector's (``obj``): tagged by
-    :func:`mark_inner`, or passed through a method of ``obj`` (a frame whose
-    ``self`` is ``obj``); otherwise it is the wrapper's own."""
-    if getattr(exc, _INNER, False):
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_locals.get("self") is obj:
-            return True
-        tb = tb.tb_next
-    return False
+def raised_by_inner(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of an inner connector's method that the
+    wrapper's part called (:func:`call_inner`); otherwise it is the wrapper's own."""
+    return bool(getattr(exc, _INNER, False))
 
 
 class Containment:
     """One per facade: tells the inner connector's exceptions from ours and
     contains ours."""
 
-    def __init__(self, inner: object, stats: KVTailStats) -> None:
-        self._inner = inner
+    def __init__(self, stats: KVTailStats) -> None:
         self._stats = stats
         self._traced: set[str] = set()  # hooks whose traceback was logged
 
@@ -92,7 +96,7 @@ class Containment:
         """Handle ``exc``, raised in ``hook``'s wrapper part: re-raise it if it
         is the inner connector's, else log, count and return ``fallback()``
         (``default`` where there is none, or it failed too)."""
-        if raised_by(exc, self._inner) or is_device_error(exc):
+        if raised_by_inner(exc) or is_device_error(exc):
             raise exc
         self._stats.add("internal_errors", 1)
         names = sorted(set(requests))

@@ -11,19 +11,19 @@ hook by hook:
 ``on_new_request``
     producer claims, verification (each notes the prefill legs it serves).
 ``get_num_new_matched_tokens``
-    load starts (the facade stores in :attr:`TailScheduler.load_starts`).
+    load starts.
+``get_loaded_kv_cache_group_ids``
+    the answer vLLM got, kept for the allocation that follows.
 ``update_state_after_alloc``
     the entry reader first (:meth:`TailScheduler.read_entry`, before the
-    inner update, where the params hold an entry), then after the inner
-    update: a synchronous READ goes to READ tails; an async load is kept as
-    allocated (consumer tails). The per-load hooks run once per request
-    inside vLLM's loop, each of our calls ~0.1–0.3 µs there: the facade
-    reads this side's dicts in place rather than call for what they hold.
+    inner update), then after the inner update: a synchronous READ goes to
+    READ tails; an async load gets its record (consumer tails), with a
+    trusted claim (producer claims) and the digest to verify (verification)
+    attached.
 ``build_connector_meta``
-    the step's async loads, in one pass: each to load errors (in flight),
-    then its record (consumer tails) with a trusted claim (producer claims)
-    and the digest to verify (verification) attached; producer claims and
-    verification drop params left over; READ tails
+    the step's async loads go to load errors (in flight) and their records
+    into the metadata; producer claims and verification drop params left
+    over; READ tails
     (records, and vLLM's zero list without READ destinations, set last);
     producer claims (tail records), verification (digest records); consumer
     tails and load errors (``failing``) fill the metadata.
@@ -38,16 +38,15 @@ hook by hook:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvtail_connector import entry
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.features.consumer_tails.scheduler import Allocation, ConsumerTailsScheduler
-from kvtail_connector.features.entries import NOTHING, EntryReader, EntryWriter, binding_nodes
+from kvtail_connector.features.consumer_tails.scheduler import AllocatedLoad, ConsumerTailsScheduler
+from kvtail_connector.features.entries import EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.features.kv_verification.scheduler import VerificationScheduler
 from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
-from kvtail_connector.features.load_starts import LoadStarts
+from kvtail_connector.features.load_starts import LoadStart, LoadStarts
 from kvtail_connector.features.producer_claims.scheduler import ClaimsScheduler
 from kvtail_connector.features.read_tails.scheduler import ReadTailsScheduler
 from kvtail_connector.features.records import LoadRecords
@@ -58,9 +57,6 @@ from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
-
-# Contains an internal error in one load's record: (the error, the request id).
-RecordFailed = Callable[[Exception, str], None]
 
 
 class TailScheduler:
@@ -99,19 +95,17 @@ class TailScheduler:
     ) -> None:
         self._policy = policy
         self._adapter = adapter  # what differs for the inner connector (READ destinations)
-        self._stats = stats
         self._num_workers = num_workers
         self._kv_cache_manager: Any = None
         nodes = binding_nodes(limits, min_block_size)
         self._records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
         self._starts = LoadStarts()
-        self._matched = self._starts.by_request
         self._errors = LoadErrorsScheduler(stats)
         self._tails = ConsumerTailsScheduler()
-        self._allocations = self._tails.allocations
-        # (request, its get_loaded_kv_cache_group_ids) as vLLM last asked it
-        # (set by the facade): the groups vLLM exempted from zeroing.
-        self.asked_loaded: tuple[Any, Any] | None = None
+        # The request vLLM last asked get_loaded_kv_cache_group_ids for, and
+        # the answer it got: the groups it keeps from zeroing in the
+        # allocation that follows, which the load's record must cover.
+        self._asked: tuple[Any, tuple[int, ...]] | None = None
         producer = policy.vouches_for_tails or policy.digests_prompts
         self._writer = (
             EntryWriter(geometry, binding_nodes=nodes, key=key, stats=stats) if producer else None
@@ -128,18 +122,6 @@ class TailScheduler:
             if policy.checks_claims or policy.verifies_loads
             else None
         )
-        self._readings = self._reader.readings if self._reader is not None else None
-        # The facade's per-load hooks read these in place (a call less each,
-        # and each call costs ~0.2 µs run cold inside vLLM's request loop):
-        # the match's dict (LoadStarts.by_request) and the readings not yet
-        # taken by an allocation (both empty: an allocation with nothing
-        # loaded has nothing to forget); whether to call read_entry before an
-        # allocation's inner update: where a reader is on and the params
-        # hold an entry, or its absence is counted.
-        self.load_starts = self._matched
-        self.load_readings: dict[str, Any] = self._readings if self._readings is not None else {}
-        self.reads_entries = self._reader is not None
-        self.reads_absent_entries = self._reader is not None and self._reader.counts_absence
         self._claims = (
             ClaimsScheduler(self._records, stats, vouch=policy.vouches_for_tails)
             if policy.vouches_for_tails or policy.checks_claims
@@ -153,7 +135,7 @@ class TailScheduler:
         self._reads = (
             ReadTailsScheduler(
                 self._records,
-                adapter,
+                self._adapter,
                 stats,
                 zeroes_read_tails=policy.zeroes_read_tails,
                 excludes_reads=policy.excludes_reads,
@@ -164,14 +146,11 @@ class TailScheduler:
             else None
         )
         # The parts' producer halves (requests noted at arrival, records of
-        # completing prompts, params kept at the finish): None on a consumer,
-        # whose per-request and per-step hooks skip them.
+        # completing prompts, params kept at the finish): None on a consumer.
         self._vouching = self._claims if policy.vouches_for_tails else None
         self._digesting = self._verify if policy.digests_prompts else None
-        # Whether on_new_request does anything (the facade skips it otherwise).
-        self.notes_arrivals = self._vouching is not None or self._digesting is not None
         # The parts that hold requests (claims and verification in their
-        # producer halves only), and their containers, for held_requests.
+        # producer halves only), for held_requests.
         holders = (
             self._starts,
             self._errors,
@@ -181,7 +160,6 @@ class TailScheduler:
             self._digesting,
         )
         self._holders = tuple(part for part in holders if part is not None)
-        self._holding = tuple(c for part in self._holders for c in part.holding())
 
     # ----------------------------------------------------------------- hooks
 
@@ -195,140 +173,112 @@ class TailScheduler:
         if self._digesting is not None:
             self._digesting.on_new_request(request)
 
-    def read_entry(self, request: Any) -> None:
-        """Before the inner ``update_state_after_alloc`` of a load (the facade
-        calls this first, where :attr:`reads_entries` and the params hold an
-        entry, are no dict, or :attr:`reads_absent_entries`): read the
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int, count: int | None, load_async: bool
+    ) -> None:
+        """The inner connector matched ``count`` external tokens after
+        ``num_computed_tokens`` local ones: kept to the allocation."""
+        self._starts.matched(request.request_id, num_computed_tokens, count, load_async)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any, groups: Any) -> Any:
+        """vLLM asked which groups ``request``'s load writes and got ``groups``
+        (the inner connector's answer): kept as a tuple for the allocation
+        that follows. Returns what vLLM reads: ``groups`` as given, or the
+        tuple an iterator was spent into."""
+        if type(groups) is tuple:
+            self._asked = (request, groups)
+            return groups
+        try:
+            it = iter(groups)
+        except TypeError:
+            # No iterable (vLLM only tests membership): the allocation asks
+            # again, and contains what that raises.
+            self._asked = None
+            return groups
+        kept = tuple(it)  # what the inner's iterable raises is its own
+        self._asked = (request, kept)
+        return kept if it is groups else groups
+
+    def read_entry(self, request: Any, num_external_tokens: int) -> None:
+        """Before the inner ``update_state_after_alloc`` of a load: read the
         producer's entry once per allocation, while the params still hold
-        what its binding covers."""
+        what its binding covers (NIXL push rewrites ``remote_block_ids`` there)."""
         reader = self._reader
-        assert reader is not None
-        start = self._matched.get(request.request_id)
+        if reader is None or num_external_tokens <= 0:
+            return
+        params = request.kv_transfer_params
+        if type(params) is dict and entry.KEY not in params and not reader.counts_absence:
+            return  # no entry, and its absence is not counted
+        start = self._starts.get(request.request_id)
         if start is not None:
-            reader.read(request, bool(start[1]))
+            reader.read(request, start.is_async)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """After the inner ``update_state_after_alloc`` (called by the facade),
-        and after :meth:`read_entry` (called before it).
-
-        Runs twice per load inside vLLM's per-request loop (the second time
-        with nothing loaded), each line cold there: an async load is kept
-        as allocated, its record built with the step's others
-        (:meth:`_record_allocations`)."""
+        and after :meth:`read_entry` (called before it). vLLM calls it twice
+        per load, the second time with nothing loaded."""
         req_id = request.request_id
-        # Forgotten here; put back should this raise (contain_alloc reads it).
-        start = self._matched.pop(req_id, None)
-        readings = self._readings
-        # Most loads have no reading (no entry): the dict is empty.
-        reading = readings.pop(req_id, None) if readings else None
+        start = self._starts.pop(req_id)
+        reading = self._reader.take(req_id) if self._reader is not None else None
         if start is None or num_external_tokens <= 0:
-            return  # nothing loaded (vLLM's second call, once a load is done)
+            return
+        claim = reading.claim if reading is not None else None
+        expected = reading.expected if reading is not None else None
+        loaded = start.local + num_external_tokens
         try:
-            claim, expected = reading if reading is not None else NOTHING
-            local, load_async = start
-            if load_async:
-                # What vLLM asked right before this allocation, where it did
-                # (0.32, 0.33); otherwise the inner connector is asked here.
-                asked = self.asked_loaded
-                if asked is not None and asked[0] is request:
-                    groups = asked[1]
-                    self.asked_loaded = None
-                else:
-                    groups = self._records.loaded_groups(request)
-                loaded = local + num_external_tokens
-                # Every id now (the record then depends on nothing vLLM may
-                # change); the record later.
-                written = self._records.written(blocks, groups, local, loaded)
-                states = self._states(blocks, groups, expected) if expected is not None else ()
-                # A plain tuple in Allocation's field order (a NamedTuple costs
-                # 0.1 µs more to build; nothing reads it by field name).
-                self._allocations.append(
-                    (request, local, loaded, groups, written, states, claim, expected, req_id)
-                )
+            if start.is_async:
+                self._tails.add(self._allocated(request, blocks, start, loaded, claim, expected))
             elif self._reads is not None:
                 # Other sync loads land in blocks vLLM zeroed first.
-                self._reads.allocated(request, blocks, local, local + num_external_tokens, claim)
+                self._reads.allocated(request, blocks, start.local, loaded, claim)
         except BaseException:
-            self._matched[req_id] = start
+            self._starts.put_back(req_id, start)  # for contain_alloc
             raise
 
-    def _record_allocations(self, failed: RecordFailed | None) -> None:
-        """The records of the step's async loads, in one pass. A load whose
-        record fails is reported failed by the workers at its completion;
-        ``failed`` contains the error (else it is raised, and the loads not
-        yet recorded stay for :meth:`contain_meta`).
-
-        Counted here, not at the allocation: a claim declined or unused, a
-        digest skipped. Where vLLM 0.33 allocates a deferred load in
-        ``update_from_output`` (HiSparse), they reach the stats of the next
-        ``update_from_output`` (the load cannot complete before that)."""
-        allocations = self._tails.take_allocations()
-        # A load with neither a claim nor a digest (most) is recorded inline:
-        # in flight (LoadErrorsScheduler.started) and its record kept
-        # (ConsumerTailsScheduler.add) in place, no call per load but the
-        # record's own; others go through _record.
-        in_flight, pending = self._errors.in_flight_by_request, self._tails.records
-        from_written, zeroes = self._records.from_written, self._policy.zeroes_tails
-        k, n = 0, len(allocations)
-        while k < n:
-            handled = False
-            try:
-                try:
-                    for k in range(k, n):  # noqa: B020 (k: where one raised)
-                        allocation = allocations[k]
-                        _, local, loaded, loaded_groups, written, _, claim, expected, req_id = (
-                            allocation
-                        )
-                        if claim is not None or expected is not None:
-                            self._record(allocation)
-                            continue
-                        in_flight[req_id] = written
-                        if zeroes:
-                            record = from_written(req_id, written, local, loaded, loaded_groups)
-                            if record is not None:
-                                pending.append(record)
-                    k = n
-                except Exception as exc:
-                    req_id = allocations[k][8]
-                    self._errors.lost(req_id, allocations[k][4])
-                    handled = True
-                    if failed is None:
-                        raise
-                    failed(exc, req_id)
-                    k += 1
-            except BaseException:
-                # Not contained: the loads not yet recorded (this one too
-                # where it was not marked lost) wait for contain_meta.
-                self._tails.allocations.extend(allocations[k + 1 if handled else k :])
-                raise
-
-    def _record(self, allocation: Allocation) -> None:
-        request, local, loaded, loaded_groups, written, states, claim, expected, req_id = allocation
-        records, policy = self._records, self._policy
-        if expected is not None and expected.num_tokens < loaded and self._verify is not None:
-            # Tokens [n, loaded) would go uncompared yet counted verified.
-            self._verify.unrecorded()
+    def _allocated(
+        self,
+        request: Any,
+        blocks: Any,
+        start: LoadStart,
+        loaded: int,
+        claim: int | None,
+        expected: ExpectedDigest | None,
+    ) -> AllocatedLoad:
+        """An async load of tokens ``[start.local, loaded)``: the blocks it
+        writes and its record, with a trusted claim and the digest to verify."""
+        req_id = request.request_id
+        asked = self._asked
+        if asked is not None and asked[0] is request:
+            groups = asked[1]
+            self._asked = None
+        else:
+            groups = self._records.loaded_groups(request)
+        written = self._records.written(blocks, groups, start.local, loaded)
+        verify = self._verify
+        if expected is not None and expected.num_tokens < loaded and verify is not None:
+            verify.unrecorded()  # tokens [n, loaded) would go uncompared yet counted verified
             expected = None
-        keep = expected is not None
-        self._errors.started(req_id, written)
-        if not policy.zeroes_tails and not keep:
-            return
-        record = records.from_written(req_id, written, local, loaded, loaded_groups, keep=keep)
+        if not self._policy.zeroes_tails and expected is None:
+            return AllocatedLoad(req_id, written, None)
+        record = self._records.from_written(
+            req_id, written, start.local, loaded, groups, keep=expected is not None
+        )
         if record is None:
-            if expected is not None and self._verify is not None:
-                self._verify.unrecorded()  # no group a digest covers
-            return
+            if expected is not None and verify is not None:
+                verify.unrecorded()  # no group a digest covers
+            return AllocatedLoad(req_id, written, None)
         claims = self._claims
         if (
             claim is not None
-            and policy.zeroes_tails
+            and self._policy.zeroes_tails
             and claims is not None
-            and claims.used(request, claim, record, policy.trusts_load_claims)
+            and claims.used(request, claim, record, self._policy.trusts_load_claims)
         ):
             record = record._replace(vouched=True)
         if expected is not None:
+            states = self._states(blocks, groups, expected)
             record = record._replace(expected=expected, states=states)
-        self._tails.add(record)
+        return AllocatedLoad(req_id, written, record)
 
     def _states(
         self, blocks: Any, loaded_groups: Any, expected: ExpectedDigest
@@ -339,14 +289,8 @@ class TailScheduler:
             return ()
         return verify.consumer_states(blocks.get_block_ids(), loaded_groups)
 
-    def build_connector_meta(
-        self, scheduler_output: Any, inner_meta: Any, failed: RecordFailed | None = None
-    ) -> KVTailMetadata:
-        """``inner_meta``: what the inner ``build_connector_meta`` returned;
-        ``failed``: contains an error in one load's record (see
-        :meth:`_record_allocations`)."""
-        if self._tails.allocations:
-            self._record_allocations(failed)
+    def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
+        """``inner_meta``: what the inner ``build_connector_meta`` returned."""
         vouching, digesting, manager = self._vouching, self._digesting, self._kv_cache_manager
         # Params left by an update_from_output that had no connector output:
         # they have left the engine; no entry is added to them after that.
@@ -361,14 +305,15 @@ class TailScheduler:
         )
         producer = vouching.producer_records(scheduler_output, manager) if vouching else ()
         digests = digesting.digest_records(scheduler_output, manager) if digesting else ()
-        loads = self._tails.pending
+        allocated = self._tails.peek()
+        loads = tuple(load.record for load in allocated if load.record is not None)
         meta = KVTailMetadata(
             inner=inner_meta,
             loads=loads,
             read_loads=read_loads,
             producer_tails=producer,
             producer_digests=digests,
-            failing=self._errors.take_failing() if self._errors.failing else (),
+            failing=tuple(self._errors.failing),
         )
         if loads or read_loads or producer:
             logger.debug(
@@ -377,25 +322,20 @@ class TailScheduler:
                 len(read_loads),
                 len(producer),
             )
-        if loads:
-            self._tails.clear()
+        # Shipped: nothing below raises. Until here a failure leaves every
+        # load pending for contain_meta, and vLLM's zero list untouched (it
+        # then zeroes the READ destinations as without the wrapper).
+        for load in self._tails.take():
+            self._errors.started(load.req_id, load.written)
+        self._errors.take_failing()
         if kept is not None:
-            # Last: should anything above raise, vLLM's zero list is untouched
-            # and it zeroes the READ destinations as without the wrapper.
             scheduler_output.new_block_ids_to_zero = kept
         return meta
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         """``params``: what the inner connector's ``request_finished`` returned,
         the very dict vLLM puts into the request's output."""
-        req_id = request.request_id
-        self._matched.pop(req_id, None)
-        asked = self.asked_loaded
-        if asked is not None and asked[0] is request:
-            self.asked_loaded = None  # asked for an allocation that never came
-        reader = self._reader
-        if reader is not None and (reader.seen or reader.readings):
-            reader.forget(req_id)
+        self.forget(request.request_id, keep_params=True)
         if self._vouching is not None:
             self._vouching.request_finished(request, params)
         if self._digesting is not None:
@@ -445,37 +385,31 @@ class TailScheduler:
         req_id = request.request_id
         start = self._starts.pop(req_id)
         if self._reader is not None:
-            self._reader.drop(req_id)
+            self._reader.take(req_id)
         if num_external_tokens <= 0 or start is None:
             return  # no load the wrapper would have recorded
-        local, load_async = start
-        if load_async:
+        if start.is_async:
             self._errors.lost(req_id)
         elif self._reads is not None:
-            self._reads.allocated(request, blocks, local, local + num_external_tokens, None)
+            self._reads.allocated(
+                request, blocks, start.local, start.local + num_external_tokens, None
+            )
 
     @property
     def pending_loads(self) -> list[str]:
         """Requests whose load record waits for this step's metadata."""
-        return [
-            *self._errors.failing,
-            *(r.req_id for r in self._tails.pending),
-            *(a[8] for a in self._tails.allocations),
-        ]
+        return [*self._errors.failing, *self._tails.held()]
 
     def contain_meta(self, inner_meta: Any) -> KVTailMetadata:
         """``build_connector_meta`` failed: the inner metadata, untouched; the
         step's pending async loads are reported failed at completion, its
         READ and producer records are not shipped (no claim is made)."""
-        for allocation in self._tails.take_allocations():
+        for load in self._tails.take():
             # Now among the failing, its blocks in flight (invalid ones match).
-            self._errors.lost(allocation[8], allocation[4])
-        failing = tuple(self.pending_loads)
-        self._errors.take_failing()
-        self._tails.clear()
+            self._errors.lost(load.req_id, load.written)
         if self._reads is not None:
             self._reads.clear()
-        return KVTailMetadata(inner=inner_meta, failing=failing)
+        return KVTailMetadata(inner=inner_meta, failing=self._errors.take_failing())
 
     def contain_output(self, connector_output: Any) -> None:
         """``update_connector_output`` failed: no claim from this call; loads
@@ -493,14 +427,18 @@ class TailScheduler:
         if claims is not None:
             claims.loads_finished(finished)
 
-    def forget(self, req_id: str) -> None:
-        """``on_new_request`` or ``request_finished`` failed: no claim for it."""
+    def forget(self, req_id: str, *, keep_params: bool = False) -> None:
+        """``req_id`` finished (``keep_params``: normally, its producer params
+        still to be granted), or ``on_new_request`` / ``request_finished``
+        failed for it (no claim for it)."""
         self._starts.pop(req_id)
-        asked = self.asked_loaded
+        asked = self._asked
         if asked is not None and asked[0].request_id == req_id:
-            self.asked_loaded = None
+            self._asked = None  # asked for an allocation that never came
         if self._reader is not None:
             self._reader.forget(req_id)
+        if keep_params:
+            return
         if self._vouching is not None:
             self._vouching.forget(req_id)
         if self._digesting is not None:
@@ -508,26 +446,23 @@ class TailScheduler:
 
     # ----------------------------------------------------------- accounting
 
-    def _parts(self) -> tuple[Any, ...]:
-        parts = (self._starts, self._errors, self._tails, self._reads, self._claims, self._verify)
-        return tuple(p for p in parts if p is not None)
-
     def held_requests(self) -> int:
-        """Requests this side holds state for (the ``held_requests`` gauge).
-
-        Asked every step: where every part's containers are empty (their
-        truth, no call into a part) the answer is 0 at once."""
-        if not any(self._holding):
-            return 0
-        held = []
-        for part in self._holders:
-            if ids := part.held():
-                held.append(ids)
-        # Each part's ids are distinct: a union only where two parts hold some.
-        return len(held[0]) if len(held) == 1 else len(set().union(*held))
+        """Requests this side holds state for (the ``held_requests`` gauge)."""
+        held = [ids for part in self._holders if (ids := part.held())]
+        if len(held) <= 1:
+            return len(held[0]) if held else 0
+        return len(set().union(*held))
 
     @property
     def num_tracked(self) -> int:
         """Entries every part still holds (0 when idle: the leak check)."""
-        reader = self._reader.num_tracked if self._reader is not None else 0
-        return reader + sum(p.num_tracked for p in self._parts())
+        parts = (
+            self._starts,
+            self._errors,
+            self._tails,
+            self._reads,
+            self._claims,
+            self._verify,
+            self._reader,
+        )
+        return sum(part.num_tracked for part in parts if part is not None)

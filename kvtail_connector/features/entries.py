@@ -13,7 +13,7 @@ only for the features that are on, and hands each part its half
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtail_connector import entry, trust
 from kvtail_connector._version import __version__
@@ -24,8 +24,12 @@ from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 
-Reading = tuple[int | None, ExpectedDigest | None]  # (claim, expected digest)
-NOTHING: Reading = (None, None)
+
+class Reading(NamedTuple):
+    """What a consumer read from a producer's entry for one load."""
+
+    claim: int | None  # the prompt length a usable zero-tail claim covers
+    expected: ExpectedDigest | None  # the digest to verify the load against
 
 
 def decline(stats: KVTailStats, request: Any, why: str) -> None:
@@ -180,10 +184,8 @@ class EntryReader:
         self._binding_nodes = binding_nodes
         self._key = key
         self._stats = stats
-        # req_id -> the reading, taken at alloc (``readings``: the alloc hook
-        # pops it in place); and every request's reading until it finishes
-        # (``seen``: read once per request). Both empty where no request
-        # had an entry: the finish hook then calls nothing here.
+        # req_id -> the reading, taken at alloc; and every request's reading
+        # until it finishes (``seen``: read once per request).
         self.readings: dict[str, Reading] = {}
         self.seen: dict[str, Reading] = {}
         # By load_async: what the reading is for (claims, bind, digest).
@@ -220,8 +222,9 @@ class EntryReader:
             found = self._read(request, claims=claims, bind=bind, digest=digest)
             self.readings[req_id] = self.seen[req_id] = found
 
-    def drop(self, req_id: str) -> None:
-        self.readings.pop(req_id, None)
+    def take(self, req_id: str) -> Reading | None:
+        """The reading for the allocation now running, if any."""
+        return self.readings.pop(req_id, None) if self.readings else None
 
     def forget(self, req_id: str) -> None:
         self.readings.pop(req_id, None)
@@ -273,7 +276,7 @@ class EntryReader:
             if expected is None:
                 self._stats.add("digests_skipped", 1)
                 logger.debug("kvtail: %s: no producer digest used (%s)", request.request_id, why)
-        return claim, expected
+        return Reading(claim, expected)
 
     def _bound(self, found: entry.Entry, raw: Any, params: Any) -> str:
         """``"ok"`` where ``found`` carries a valid MAC (with a key) and the

@@ -9,35 +9,46 @@ the allocation that consumes it (or the request's end).
 
 from __future__ import annotations
 
-from collections.abc import Set as AbstractSet
-from collections.abc import Sized
+from collections.abc import KeysView
+from dataclasses import dataclass
 
-# (local computed tokens, the load is async: the inner connector's value as
-# given, read for its truth)
-Start = tuple[int, bool]
+
+@dataclass(frozen=True, slots=True)
+class LoadStart:
+    """A load as matched: ``local`` tokens computed before it; ``is_async``:
+    the inner connector loads it asynchronously (else a synchronous READ)."""
+
+    local: int
+    is_async: bool
 
 
 class LoadStarts:
-    """Request id -> :data:`Start`, from the match to the allocation.
-
-    ``by_request`` is the dict itself: the per-load hooks (the match, the
-    allocation, the finish) read and write it in place, a call less each.
-    """
+    """Request id -> :class:`LoadStart`, from the match to the allocation."""
 
     def __init__(self) -> None:
-        self.by_request: dict[str, Start] = {}
+        self._starts: dict[str, LoadStart] = {}
 
-    def pop(self, req_id: str) -> Start | None:
-        return self.by_request.pop(req_id, None)
+    def matched(self, req_id: str, local: int, count: int | None, load_async: bool) -> None:
+        """The inner connector's match: ``count`` external tokens (0 or None:
+        no load to wait for)."""
+        if count:
+            self._starts[req_id] = LoadStart(local, bool(load_async))
+        else:
+            self._starts.pop(req_id, None)
 
-    def holding(self) -> tuple[Sized, ...]:
-        """The containers :meth:`held` reads, live (never replaced): empty
-        together exactly when :meth:`held` is."""
-        return (self.by_request,)
+    def get(self, req_id: str) -> LoadStart | None:
+        return self._starts.get(req_id)
 
-    def held(self) -> AbstractSet[str]:
-        return self.by_request.keys()
+    def pop(self, req_id: str) -> LoadStart | None:
+        return self._starts.pop(req_id, None)
+
+    def put_back(self, req_id: str, start: LoadStart) -> None:
+        """An allocation that failed: its start stays for the fallback."""
+        self._starts[req_id] = start
+
+    def held(self) -> KeysView[str]:
+        return self._starts.keys()
 
     @property
     def num_tracked(self) -> int:
-        return len(self.by_request)
+        return len(self._starts)

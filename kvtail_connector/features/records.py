@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.containment import mark_inner
+from kvtail_connector.containment import call_inner
 from kvtail_connector.kvgroups import GroupInfo, state_block
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
 from kvtail_connector.tails import tail_block
@@ -79,49 +79,31 @@ class LoadRecords:
         self._inner = inner
         self.groups = groups
         self._every = records_every_load
-        # Per group id, read once per load: tokens per manager block, and
-        # that block size where the group has token tails (else None).
-        self._sizes = tuple(info.effective_block for info in groups)
-        self._tail_sizes = tuple(
-            info.effective_block if info.has_tails else None for info in groups
-        )
 
     def tail_index(self, num_loaded: int, group: int) -> int | None:
         tail = tail_block(num_loaded, self.groups[group].effective_block)
         return None if tail is None else tail[0]
 
-    def loaded_groups(self, request: Any) -> Any:
-        """The inner connector's answer; its exceptions tagged as its own."""
-        try:
-            groups = self._inner.get_loaded_kv_cache_group_ids(request)
-        except BaseException as exc:
-            mark_inner(exc)
-            raise
-        # A tuple: read twice (the ids written, then the record). Outside the
-        # tag: an answer that is no iterable fails this load alone (contained).
+    def loaded_groups(self, request: Any) -> tuple[int, ...]:
+        """The inner connector's ``get_loaded_kv_cache_group_ids``, as a tuple
+        (read twice: the ids written, then the record)."""
+        groups = call_inner(self._inner.get_loaded_kv_cache_group_ids, request)
+        # Outside call_inner: an answer that is no iterable fails this load
+        # alone (contained), as the wrapper's own error.
         return groups if type(groups) is tuple else tuple(groups)
 
     def written(
-        self, blocks: Any, loaded_groups: Any, local: int, loaded: int
+        self, blocks: Any, loaded_groups: tuple[int, ...], local: int, loaded: int
     ) -> tuple[tuple[int, ...], ...]:
-        """Per group of ``loaded_groups`` (:meth:`loaded_groups`), the ids of
-        the blocks a load of tokens ``[local, loaded)`` into ``blocks``
-        (vLLM's ``KVCacheBlocks`` of the request) writes; vLLM's null block
-        (a sliding window's gap) as :data:`NULL_BLOCK`, for the readers to
-        skip. Only these blocks' ids are read."""
-        # Called where vLLM has just allocated the blocks: the ids read now,
-        # and checked for the null block while their int objects are in
-        # cache (at the metadata each compared is a miss); what is built
-        # from them waits for the metadata. A list comprehension, not
-        # map(attrgetter) nor a generator: 3.11 specializes its attribute
-        # load (5 blocks: 0.40 -> 0.29 µs on CPU).
-        sizes, per_group, null = self._sizes, blocks.blocks, _compat.NULL_BLOCK_ID
+        """Per group of ``loaded_groups``, the ids of the blocks a load of
+        tokens ``[local, loaded)`` into ``blocks`` (vLLM's ``KVCacheBlocks`` of
+        the request) writes; vLLM's null block (a sliding window's gap) as
+        :data:`NULL_BLOCK`, for the readers to skip."""
         written = []
         for gid in loaded_groups:
-            eb = sizes[gid]
-            blocks_written = per_group[gid][local // eb : -(-loaded // eb)]
-            ids = tuple([b.block_id for b in blocks_written])
-            written.append(null_as_ours(ids) if null in ids else ids)
+            size = self.groups[gid].effective_block
+            ids = tuple(b.block_id for b in blocks.blocks[gid][local // size : -(-loaded // size)])
+            written.append(null_as_ours(ids))
         return tuple(written)
 
     def from_written(
@@ -130,7 +112,7 @@ class LoadRecords:
         written: tuple[tuple[int, ...], ...],
         local: int,
         loaded: int,
-        loaded_groups: Any,
+        loaded_groups: tuple[int, ...],
         *,
         keep: bool = False,
         tails_only: bool = False,
@@ -138,24 +120,17 @@ class LoadRecords:
         """The record of a load (``written``: :meth:`written` of it), or None
         when block-aligned (nothing to zero or watch), unless ``keep`` (a
         load to verify) or every load is recorded (not with ``tails_only``)."""
-        # Once per load, the step's loads in one pass: no helper calls, tuples
-        # built in C (tuple.__new__ skips the NamedTuple's Python __new__);
-        # no zip(strict=True) either (0.23 µs a call; ``written`` is built
-        # from ``loaded_groups``, one entry each). The ids are not read here.
-        tail_sizes, new = self._tail_sizes, tuple.__new__
-        entries = []
-        any_tail = False
-        k = 0
-        for gid in loaded_groups:
-            eb = tail_sizes[gid]
-            if eb is not None:
-                if loaded % eb:
-                    any_tail = True
-                entries.append(new(GroupLoad, (gid, local // eb, written[k])))
-            k += 1  # noqa: SIM113 (enumerate: 40 ns more a load)
-        if not entries or not (any_tail or keep or (self._every and not tails_only)):
+        loads = []
+        has_tail = False
+        for gid, ids in zip(loaded_groups, written, strict=True):
+            info = self.groups[gid]
+            if not info.has_tails:
+                continue
+            has_tail = has_tail or loaded % info.effective_block != 0
+            loads.append(GroupLoad(gid, local // info.effective_block, ids))
+        if not loads or not (has_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale, nothing to watch
-        return new(LoadRecord, (req_id, local, loaded, tuple(entries), False, None, ()))
+        return LoadRecord(req_id, local, loaded, tuple(loads))
 
     def record(
         self, request: Any, blocks: Any, local: int, loaded: int, *, tails_only: bool = False

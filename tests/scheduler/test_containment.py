@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvtail_connector import entry
-from kvtail_connector.containment import raised_by
+from kvtail_connector.containment import call_inner, raised_by_inner
 from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import run_step, runs_v2_runner
 
@@ -222,23 +222,25 @@ def test_an_inner_connectors_exception_propagates_unchanged(side, method):
     assert h.stats["internal_errors"] == 0
 
 
-def test_raised_by_tells_the_inner_connectors_frames_from_ours():
+def test_call_inner_tags_what_the_inner_connector_raises():
     class Inner:
-        def method(self) -> None:
-            raise InnerFault("x")
+        def method(self, x: int) -> int:
+            if x < 0:
+                raise InnerFault("x")
+            return x + 1
 
     inner = Inner()
-
-    def ours() -> None:
-        inner.method()
-
+    assert call_inner(inner.method, 1) == 2
     with pytest.raises(InnerFault) as caught:
-        ours()
-    assert raised_by(caught.value, inner)
-    assert not raised_by(caught.value, Inner())
+        call_inner(inner.method, -1)
+    assert raised_by_inner(caught.value)
+    # Raised by the inner connector but not called through call_inner: ours.
+    with pytest.raises(InnerFault) as direct:
+        inner.method(-1)
+    assert not raised_by_inner(direct.value)
     with pytest.raises(ZeroDivisionError) as own:
         _ = 1 // 0
-    assert not raised_by(own.value, inner)
+    assert not raised_by_inner(own.value)
 
 
 def test_invalid_blocks_reach_vllm_when_attributing_them_fails():

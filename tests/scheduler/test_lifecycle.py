@@ -95,9 +95,9 @@ def test_an_answer_kept_for_an_allocation_that_never_came_goes_with_the_request(
     # vLLM asked before an allocation that failed (no blocks); then the
     # request is aborted: nothing keeps it alive.
     connector.get_loaded_kv_cache_group_ids(request)
-    assert connector._scheduler.asked_loaded[0] is request
+    assert connector._scheduler._asked[0] is request
     h.scheduler.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
-    assert connector._scheduler.asked_loaded is None
+    assert connector._scheduler._asked is None
 
 
 def test_block_aligned_load_zeroes_nothing():
@@ -308,8 +308,8 @@ def test_tails_zeroed_in_one_call_for_several_requests():
         h.land(f"r{i}", 0, 0, n)
     calls = []
     zeroer = h.worker._worker._rank.zeroer
-    original = zeroer.zero_lines
-    zeroer.zero_lines = lambda lines: calls.append(list(lines)) or original(lines)
+    original = zeroer.zero  # CPU caches: the torch path, items as (set, block, first) rows
+    zeroer.zero = lambda items, **kw: calls.append(items.tolist()) or original(items, **kw)
     h.step()
     # One launch for the three requests (both layers are in one cache set).
     assert len(calls) == 1 and len(calls[0]) == 3

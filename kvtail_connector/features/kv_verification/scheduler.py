@@ -10,7 +10,6 @@ are folded per load and counted once vLLM reports the load finished.
 
 from __future__ import annotations
 
-from collections.abc import Sized
 from typing import Any
 
 from kvtail_connector import entry
@@ -163,11 +162,6 @@ class VerificationScheduler:
         self._producing.pop(req_id, None)
         self._digesting.pop(req_id, None)
         self._finished.forget(req_id)
-
-    def holding(self) -> tuple[Sized, ...]:
-        """The containers :meth:`held` reads, live (never replaced): empty
-        together exactly when :meth:`held` is."""
-        return (self._producing, self._digesting)
 
     def held(self) -> set[str]:
         return set(self._producing) | set(self._digesting)

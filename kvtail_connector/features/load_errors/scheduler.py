@@ -11,7 +11,7 @@ completes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -24,10 +24,8 @@ class LoadErrorsScheduler:
 
     def __init__(self, stats: KVTailStats) -> None:
         self._stats = stats
-        # request -> ids per group of the blocks its load writes (the
-        # scheduler's one pass over a step's loads stores there in place:
-        # what started does)
-        self.in_flight_by_request: dict[str, tuple[Sequence[int], ...]] = {}
+        # request -> ids per group of the blocks its load writes
+        self._in_flight: dict[str, tuple[Sequence[int], ...]] = {}
         self._failed: set[str] = set()
         self._failing: list[str] = []
 
@@ -36,13 +34,13 @@ class LoadErrorsScheduler:
         window's gap as :data:`~kvtail_connector.metadata.NULL_BLOCK`, which
         no reported id matches) is in flight. Kept as given: they are searched
         only when invalid blocks are reported."""
-        self.in_flight_by_request[req_id] = blocks
+        self._in_flight[req_id] = blocks
 
     def lost(self, req_id: str, blocks: tuple[Sequence[int], ...] = ()) -> None:
         """The async load of ``req_id`` has no record: the workers report it
         failed when it completes (counted in ``failed_loads``: in flight, with
         ``blocks`` where known and not yet given to :meth:`started`)."""
-        self.in_flight_by_request.setdefault(req_id, blocks)
+        self._in_flight.setdefault(req_id, blocks)
         self._failing.append(req_id)
 
     @property
@@ -58,13 +56,13 @@ class LoadErrorsScheduler:
     @property
     def in_flight(self) -> Any:
         """The ids of the loads in flight (a set-like view)."""
-        return self.in_flight_by_request.keys()
+        return self._in_flight.keys()
 
     def settle(self, connector_output: Any) -> list[str]:
         """Count this step's new failures; forget the loads reported finished
         and return their ids."""
         reported = connector_output.failed_recving
-        failed = set(reported) & self.in_flight_by_request.keys() if reported else set()
+        failed = set(reported) & self._in_flight.keys() if reported else set()
         invalid = connector_output.invalid_block_ids
         if invalid:
             # vLLM's null block is shared, never a load's own: not a failure
@@ -72,7 +70,7 @@ class LoadErrorsScheduler:
             invalid = set(invalid) - {_compat.NULL_BLOCK_ID}
             failed.update(
                 r
-                for r, blocks in self.in_flight_by_request.items()
+                for r, blocks in self._in_flight.items()
                 if any(not invalid.isdisjoint(ids) for ids in blocks)
             )
         if failed:
@@ -85,23 +83,14 @@ class LoadErrorsScheduler:
 
     def finished(self, req_ids: Iterable[str]) -> list[str]:
         """Forget these loads; the ids of those that were in flight."""
-        pop = self.in_flight_by_request.pop
-        done = []
-        for req_id in req_ids:
-            if pop(req_id, None) is not None:
-                done.append(req_id)
+        done = [req_id for req_id in req_ids if self._in_flight.pop(req_id, None) is not None]
         if self._failed:
             self._failed.difference_update(done)
         return done
 
-    def holding(self) -> tuple[Sized, ...]:
-        """The containers :meth:`held` reads, live (never replaced): empty
-        together exactly when :meth:`held` is."""
-        return (self.in_flight_by_request,)
-
     def held(self) -> AbstractSet[str]:
-        return self.in_flight_by_request.keys()
+        return self._in_flight.keys()
 
     @property
     def num_tracked(self) -> int:
-        return len(self.in_flight_by_request) + len(self._failed) + len(self._failing)
+        return len(self._in_flight) + len(self._failed) + len(self._failing)

@@ -18,7 +18,7 @@ worker's probe found once per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -158,11 +158,6 @@ class ClaimsScheduler:
         self._producing.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._finished.forget(req_id)
-
-    def holding(self) -> tuple[Sized, ...]:
-        """The containers :meth:`held` reads, live (never replaced): empty
-        together exactly when :meth:`held` is."""
-        return (self._producing,)
 
     def held(self) -> AbstractSet[str]:
         return self._producing.keys()

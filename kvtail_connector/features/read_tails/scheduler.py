@@ -13,7 +13,7 @@ workers, which zero it, in every attention group, once the READ has landed.
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from dataclasses import dataclass
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
@@ -25,8 +25,17 @@ from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 
-# (request, blocks, local, loaded, the prompt length a bound claim covers or None)
-_PendingRead = tuple[Any, Any, int, int, int | None]
+
+@dataclass(frozen=True, slots=True)
+class _PendingRead:
+    """A READ of tokens ``[local, loaded)`` of ``request`` into ``blocks``;
+    ``claim``: the prompt length a bound producer claim covers, or None."""
+
+    request: Any
+    blocks: Any
+    local: int
+    loaded: int
+    claim: int | None
 
 
 class ReadTailsScheduler:
@@ -69,7 +78,7 @@ class ReadTailsScheduler:
     ) -> None:
         """A READ of tokens ``[local, loaded)`` was allocated."""
         if self._zero:
-            self._pending.append((request, blocks, local, loaded, claim))
+            self._pending.append(_PendingRead(request, blocks, local, loaded, claim))
 
     def build(
         self, scheduler_output: Any, inner_meta: Any
@@ -109,13 +118,14 @@ class ReadTailsScheduler:
         """
         out = []
         builder = self._records
-        for request, blocks, local, loaded, claim in self._pending:
+        for read in self._pending:
+            request, claim = read.request, read.claim
             dests = reads.get(request.request_id)
             step = num_scheduled.get(request.request_id, 0)
             if not dests or step <= 0:
                 continue
-            valid = min(loaded + step, int(request.num_prompt_tokens))
-            record = builder.record(request, blocks, local, valid, tails_only=True)
+            valid = min(read.loaded + step, int(request.num_prompt_tokens))
+            record = builder.record(request, read.blocks, read.local, valid, tails_only=True)
             if record is not None and any(
                 load.block_ids[k - load.first_block] in dests
                 for load in record.groups
@@ -146,13 +156,8 @@ class ReadTailsScheduler:
     def clear(self) -> None:
         self._pending.clear()
 
-    def holding(self) -> tuple[Sized, ...]:
-        """The containers :meth:`held` reads, live (never replaced): empty
-        together exactly when :meth:`held` is."""
-        return (self._pending,)
-
     def held(self) -> set[str]:
-        return {read[0].request_id for read in self._pending}
+        return {read.request.request_id for read in self._pending}
 
     @property
     def num_tracked(self) -> int:
