@@ -143,7 +143,9 @@ def tree_version() -> str:
 
 def copy_tree(dest: Path) -> int:
     """Copy the files git would check out (tracked, or untracked and not ignored),
-    symlinks as symlinks, so the build sees what a clean checkout holds."""
+    so the build sees what a clean checkout holds. A symlink fails the check:
+    the tree holds real files only, so the wheel, the sdist and a checkout
+    agree on every module's path."""
     out = subprocess.run(
         ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         check=True,
@@ -152,13 +154,12 @@ def copy_tree(dest: Path) -> int:
     count = 0
     for name in sorted(set(out.decode().split("\0")) - {""}):
         src, dst = ROOT / name, dest / name
-        if not src.is_symlink() and not src.is_file():
+        if src.is_symlink():
+            fail(f"{name}: a symlink; the tree holds real files only")
+        if not src.is_file():
             continue  # deleted in the work tree
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            dst.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, dst)
+        shutil.copy2(src, dst)
         count += 1
     return count
 

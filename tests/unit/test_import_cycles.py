@@ -16,10 +16,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "kvtail_connector"
 
 
 def _modules() -> dict[str, Path]:
-    """Module name -> file, for every ``.py`` file of the package (the
-    ``connectors`` symlink followed, as Python follows it)."""
+    """Module name -> file, for every ``.py`` file of the package."""
     out = {}
-    for folder, _, files in os.walk(PACKAGE, followlinks=True):
+    for folder, _, files in os.walk(PACKAGE):
         for file in files:
             if not file.endswith(".py"):
                 continue

@@ -34,7 +34,7 @@ def test_adapters_import_from_a_checkout_without_the_installer_mapping() -> None
     )
     assert r.returncode == 0, r.stderr
     path, module = r.stdout.split()
-    assert Path(path).resolve() == (REPO / "connectors" / "__init__.py").resolve()
+    assert Path(path).resolve() == (REPO / "kvtail_connector" / "connectors" / "__init__.py")
     assert module == "kvtail_connector.connectors.nixl"
 
 
