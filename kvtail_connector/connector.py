@@ -1,4 +1,5 @@
-"""``KVTailConnector``: a thin facade around any vLLM KV connector.
+"""``KVTailConnector``: a thin facade around any vLLM KV connector: the hooks
+where the wrapper acts (what it passes on unchanged: :mod:`kvtail_connector.forwarding`).
 
 :func:`kvtail_connector.assembly.assemble` builds it (the inner connector, the
 policy, one side); this file holds the hooks. Role SCHEDULER delegates to
@@ -10,14 +11,10 @@ connector, and every classmethod the inner class through
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -29,7 +26,8 @@ from kvtail_connector import _compat
 from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.containment import Containment, safe_ids
-from kvtail_connector.inner import Resolved, children_of, resolve, wrapper_fields
+from kvtail_connector.forwarding import ForwardingConnector
+from kvtail_connector.inner import resolve
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
 from kvtail_connector.pages import EngineFacts
 from kvtail_connector.prom import KVTailPromMetrics
@@ -78,17 +76,7 @@ OWN_ANSWERS: dict[str, str] = {
 }
 
 
-def _resolved_with_children(kv_transfer_config: Any) -> Resolved:
-    """:func:`resolve`, with an inner MultiConnector's children checked too:
-    vLLM's own classmethods of MultiConnector iterate them (0.34 asks while
-    it validates its config), and a bad child must be named by the wrapper's
-    message, not fail inside vLLM."""
-    resolved = resolve(kv_transfer_config)
-    children_of(resolved.inner_cls, resolved.inner_transfer_config)
-    return resolved
-
-
-class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
+class KVTailConnector(ForwardingConnector, SupportsHMA):
     """Wraps the connector named in ``kv_connector_extra_config.backend``.
 
     See :class:`~kvtail_connector.config.KVTailConfig` for the settings.
@@ -123,10 +111,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         self._last_held = 0  # the held_requests level last reported
 
     @property
-    def inner(self) -> KVConnectorBase_V1:
-        return self._inner
-
-    @property
     def config(self) -> KVTailConfig:
         return self._cfg
 
@@ -136,20 +120,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         work = self._worker.num_tracked if self._worker else 0
         return sched == 0 and work == 0
 
-    # ------------------------------------------------------------ properties
-
-    @property
-    def supports_divergent_local_hybrid_hits(self) -> bool:
-        return self._inner.supports_divergent_local_hybrid_hits
-
-    @property
-    def requires_kv_delivery(self) -> bool:
-        return self._inner.requires_kv_delivery
-
     # ============================================================ worker side
-
-    def get_mem_pool_context(self) -> AbstractContextManager | None:
-        return self._inner.get_mem_pool_context()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVTailMetadata), (
@@ -201,9 +172,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.restore_kv_caches()
 
-    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
-        self._inner.set_host_xfer_buffer_ops(copy_operation)
-
     def finish_forward(self) -> None:
         if self._worker is not None and self._policy.producer_hook == "finish_forward":
             self._producer_hook("finish_forward")
@@ -216,9 +184,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             worker.produce()
         except Exception as exc:
             self._guard.failed(exc, hook, (), worker.contain_producer)
-
-    def reset_capture_state(self) -> None:
-        self._inner.reset_capture_state()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVTailMetadata)
@@ -256,11 +221,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 self._guard.failed(
                     exc, "wait_for_layer_load (READ tails)", (), worker.contain_layer_loaded
                 )
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
         # Before delegating: ordered before MooncakeStore's event and NIXL's
@@ -303,9 +263,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return ids if ids is not None else set()
 
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner = self._inner.get_kv_connector_stats()
         try:
@@ -321,12 +278,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
             self._guard.failed(exc, "get_kv_connector_stats")
             return inner
 
-    def get_kv_connector_kv_cache_events(self) -> Any:
-        return self._inner.get_kv_connector_kv_cache_events()
-
-    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._inner.get_handshake_metadata()
-
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         inner = self._inner.build_connector_worker_meta()
         worker = self._worker
@@ -339,9 +290,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 exc, "build_connector_worker_meta", (), lambda: worker.contain_worker_meta(inner)
             )
 
-    def get_finished_count(self) -> int | None:
-        return self._inner.get_finished_count()
-
     # ========================================================= scheduler side
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -350,9 +298,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         self._inner.bind_kv_cache_manager(kv_cache_manager)
-
-    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
-        self._inner.bind_gpu_block_pool(gpu_block_pool)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         groups = self._inner.get_loaded_kv_cache_group_ids(request)
@@ -368,9 +313,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
         assert scheduler is not None, "scheduler-side hook"
         scheduler.get_num_new_matched_tokens(request, num_computed_tokens, count, load_async)
         return count, load_async
-
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
-        return self._inner.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         scheduler = self._scheduler
@@ -430,10 +372,6 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                     lambda: scheduler.forget(request.request_id),
                 )
 
-    def may_load_async(self, request: Any) -> bool:
-        # vLLM 0.34 (--max-num-inflight-kv-loads); MultiConnector asks each child.
-        return self._inner.may_load_async(request)  # type: ignore[attr-defined,no-any-return]
-
     def update_connector_output(self, connector_output: Any) -> None:
         # The inner connector sees its own worker metadata, as if unwrapped.
         ours = connector_output.kv_connector_worker_meta
@@ -490,73 +428,7 @@ class KVTailConnector(KVConnectorBase_V1, SupportsHMA):
                 )
         return result
 
-    def register_finished_partial_tail(
-        self, request: Any, block_ids: tuple[list[int], ...], partial_tail_offloads: Any
-    ) -> bool:
-        return self._inner.register_finished_partial_tail(request, block_ids, partial_tail_offloads)
-
-    def take_events(self) -> Iterable[Any]:
-        return self._inner.take_events()
-
-    def has_pending_block_frees(self) -> bool:
-        return self._inner.has_pending_block_frees()
-
-    def has_pending_push_work(self) -> bool:
-        return self._inner.has_pending_push_work()
-
-    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self._inner.set_xfer_handshake_metadata(metadata)
-
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
-        self._inner.set_xfer_handshake_metadata_pp_aware(metadata)
-
-    def reset_cache(self) -> bool | None:
-        return self._inner.reset_cache()
-
     # ============================================================ classmethods
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        _compat.check_vllm_version()  # asked before the connector is built
-        assert vllm_config.kv_transfer_config is not None
-        resolved = resolve(vllm_config.kv_transfer_config)
-        return resolved.inner_cls.get_required_kvcache_layout(
-            resolved.inner_vllm_config(vllm_config)
-        )
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        from vllm.config.kv_transfer import KVTransferConfig
-
-        _compat.check_vllm_version()  # asked while vLLM builds its config
-        # vLLM passes only the extra config (no role): only the class matters here.
-        resolved = resolve(KVTransferConfig(kv_role="kv_both", **wrapper_fields(extra_config)))
-        inner_extra_config = resolved.inner_transfer_config.kv_connector_extra_config
-        return bool(resolved.inner_cls.requires_piecewise_for_cudagraph(inner_extra_config))
-
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        _compat.check_vllm_version()  # asked while vLLM builds its config (0.33)
-        resolved = resolve(kv_transfer_config)
-        return _compat.inner_supports_sleep_mode(resolved.inner_cls, resolved.inner_transfer_config)
-
-    @classmethod
-    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
-        _compat.check_vllm_version()  # asked while vLLM builds its config (0.34)
-        resolved = _resolved_with_children(kv_transfer_config)
-        return bool(
-            resolved.inner_cls.supports_lookahead_block_hashes(  # type: ignore[attr-defined]
-                resolved.inner_transfer_config
-            )
-        )
-
-    @classmethod
-    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
-        # 0.34: decides how the extensible KV cache allocates (REGISTERS needs
-        # single-chunk segments, EXPORTS_FABRIC fabric handles).
-        _compat.check_vllm_version()
-        resolved = _resolved_with_children(kv_transfer_config)
-        return _compat.kv_cache_access(resolved.inner_transfer_config)
 
     @classmethod
     def build_kv_connector_stats(

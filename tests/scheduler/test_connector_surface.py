@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.forwarding import ForwardingConnector
 from tests.helpers import connector_surface as surface
 
 
@@ -64,7 +64,7 @@ def test_the_checks_tell_a_wrapper_that_does_not_forward(monkeypatch) -> None:
     """The checks fail on the base class's default answer: a forward removed
     (here supports_divergent_local_hybrid_hits, a property every release has)
     is found by each kind of check that covers it."""
-    monkeypatch.delattr(KVTailConnector, "supports_divergent_local_hybrid_hits")
+    monkeypatch.delattr(ForwardingConnector, "supports_divergent_local_hybrid_hits")
     name = "supports_divergent_local_hybrid_hits"
     found = surface.instance_question_mismatches(
         surface.case("recording_double", "kv_consumer"), [name]
