@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops import KVZeroer
 
 TAILS = (1, 16, 64, 256)
 NEW_BLOCKS = (0, 256, 1024)
@@ -147,7 +147,7 @@ def check_exact(raw, views, zeroer, items, tail_blocks, firsts):
 def bench_cache(name, raw, views, floor_us, bw, rng, out_rows):
     num_blocks, _, slots, _ = views[0].shape
     # KVZeroer's zero() plus the worker's staged launch (for the graph timing).
-    zeroer = StepZeroer([(views, 1)])
+    zeroer = KVZeroer([(views, 1)])
     zeroer.warmup()
     for n_tails in TAILS:
         for n_blocks in NEW_BLOCKS:
@@ -166,10 +166,11 @@ def bench_cache(name, raw, views, floor_us, bw, rng, out_rows):
                 rep=200,
                 return_mode="median",
             )
-            # The same work buffer as zero(items), staged once; the graph
-            # replays its launch alone.
-            staged = zeroer.stage_groups([0], [(int(b), int(f)) for _, b, f in items])
-            graph = graph_time_us(lambda staged=staged: staged.launch(0))
+            # The same items as zero(items), staged once; the graph replays
+            # their launch alone.
+            (launch,) = zeroer.stage([0], [(int(b), int(f)) for _, b, f in items])
+            assert launch is not None
+            graph = graph_time_us(launch)
             # Host cost of a call (staging + launch), queued without syncing.
             torch.cuda.synchronize()
             t0 = time.perf_counter()

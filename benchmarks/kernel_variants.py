@@ -20,10 +20,10 @@ import torch
 import triton
 from bench_zeroing import _noop, graph_time_us, launch_floor_us, make_cache, memset_bandwidth
 
+from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.staging import PinnedStaging
 from kvtail_connector.ops.zero import launcher
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
-from kvtail_connector.ops.zero.plan import encoded_work
+from kvtail_connector.ops.zero.plan import items_work, pack_line
 from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, ROW_COLUMN
 
 # (BLOCK, num_warps, programs per SM, 16-byte stores)
@@ -47,14 +47,17 @@ def items_for(rng, num_blocks, slots, n_tails, n_blocks):
     return np.concatenate([tails, whole]).astype(np.int64), firsts
 
 
+def numpy_work(zeroer, items, block):
+    """The work buffer ``zeroer.zero(items)`` launches, under block size ``block``
+    (the header's chunk counts depend on it), and its units."""
+    return items_work(
+        items, zeroer._row_start, zeroer._row_count, zeroer._max_span, zeroer.num_groups, block
+    )
+
+
 def variant_time(zeroer, items, rows_vec, rows_novec, block, warps, per_sm, vec):
-    old = launcher.BLOCK
-    launcher.BLOCK = block  # the work header's chunk counts depend on it
-    try:
-        work, units = encoded_work(zeroer._encode(items, validate=False))
-    finally:
-        launcher.BLOCK = old
-    work_dev = torch.from_numpy(work).cuda()
+    work, units = numpy_work(zeroer, items, block)
+    work_dev = torch.from_numpy(np.frombuffer(work, dtype=np.int64).copy()).cuda()
     rows = rows_vec if vec else rows_novec
     grid = max(1, min(units, torch.cuda.get_device_properties(0).multi_processor_count * per_sm))
 
@@ -93,7 +96,7 @@ def main() -> int:
     print("| cache | tails | blocks | MiB | floor µs | " + " | ".join(names) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(VARIANTS))
     for name, ((_raw, views), slots) in caches.items():
-        zeroer = StepZeroer([(views, 1)], use_graphs=False)
+        zeroer = KVZeroer([(views, 1)], use_graphs=False)
         assert zeroer._launcher is not None
         rows_vec = zeroer._launcher.rows
         rows_novec = rows_vec.clone()
@@ -114,9 +117,9 @@ def main() -> int:
 
     # Host cost of each launch path (µs per call, queued, no sync in the loop).
     _raw, views = make_cache(2, 256, 8, 16, 256, torch.bfloat16)
-    graphs = StepZeroer([(views, 1)])
+    graphs = KVZeroer([(views, 1)])
     graphs.warmup()
-    staged = StepZeroer([(views, 1)], use_graphs=False)
+    staged = KVZeroer([(views, 1)], use_graphs=False)
     staged.warmup()
     items64, _ = items_for(rng, 256, 16, 64, 0)
     kernel_launcher = staged._launcher
@@ -127,10 +130,10 @@ def main() -> int:
     empty = torch.zeros(HEADER_WORDS, dtype=torch.int64, device="cuda")
     staging = PinnedStaging(torch.device("cuda"))
     table = np.zeros(HEADER_WORDS + 64 * ITEM_COLS, dtype=np.int64)
-    prepared = staged.stage_groups([0], [(int(b), int(f)) for _, b, f in items64])
-    # What the worker holds at completion: one encoded line per tail.
-    lines64 = [graphs.line(*map(int, item)) for item in items64]
-    assert prepared.has_work(0) and all(lines64)
+    (prepared,) = staged.stage([0], [(int(b), int(f)) for _, b, f in items64])
+    # What the worker holds at completion: one packed line per tail.
+    lines64 = b"".join(pack_line(int(b), int(f), graphs.rows_for(0, int(f))) for _, b, f in items64)
+    assert prepared is not None
     print()
     print("| host path | µs/call |")
     print("|---|---:|")
@@ -143,17 +146,21 @@ def main() -> int:
         ),
         (
             "our kernel, compiled launch (empty work)",
-            lambda: compiled(1, empty, rows),
+            compiled.bound(1, empty, rows),
             2000,
         ),
         ("staging a 64-item work buffer", lambda: staging.to_device(table), 2000),
-        ("encode 64 tails (numpy)", lambda: staged._encode(items64, validate=False), 2000),
         (
-            "zero 64 tail lines (the worker's path), graph path",
-            lambda: graphs.zero_lines(lines64),
+            "encode 64 tails (numpy)",
+            lambda: numpy_work(staged, items64, launcher.BLOCK),
+            2000,
+        ),
+        (
+            "zero 64 packed tail lines (the worker's path), graph path",
+            lambda: graphs.zero_packed(b"", lines64),
             500,
         ),
-        ("launch only (staged, 64 tails)", lambda: prepared.launch(0), 1000),
+        ("launch only (staged, 64 tails)", prepared, 1000),
         ("zero 64 tails, staged path", lambda: staged.zero(items64, validate=False), 500),
         ("zero 64 tails, graph path", lambda: graphs.zero(items64, validate=False), 500),
         ("zero 64 tails, graph path, validated", lambda: graphs.zero(items64), 500),

@@ -3,7 +3,7 @@
 :class:`TailWorker` holds no feature state: each feature is a part
 (``kvtail_connector/features/<feature>/worker.py``) built from the policy,
 present only where the policy turns it on, sharing this rank's caches and
-zeroer (:class:`~kvtail_connector.features.zeroing.RankZeroing`) so that a
+zeroer (:class:`~kvtail_connector.features.zeroing.RankCaches`) so that a
 step's zeroing is one launch. The order in which the parts are called, hook
 by hook:
 
@@ -48,7 +48,7 @@ from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
 from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.read_tails.worker import ReadTailsWorker
-from kvtail_connector.features.zeroing import RankPlacement, RankZeroing, Zeroing
+from kvtail_connector.features.zeroing import RankCaches, RankPlacement, StaleSlots
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
@@ -102,7 +102,7 @@ class TailWorker:
     ) -> None:
         self._policy = policy
         self._rank_id = rank
-        self._rank = RankZeroing(
+        self._rank = RankCaches(
             groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
         self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
@@ -344,10 +344,9 @@ class TailWorker:
         done = tails.completed(finished_recving)
         if not done:
             return set()
-        # One transposition of the step's loads (C-level, whatever their number).
-        records, packed, nbytes, has_tails = zip(*done, strict=True)
+        packed = [pending.packed for pending in done if pending.packed is not None]
         if (
-            None in packed
+            len(packed) < len(done)
             or failed_recving
             or errors.has_invalid
             or tails.any_abandoned
@@ -356,14 +355,16 @@ class TailWorker:
         ):
             return self._complete_each(done, set(failed_recving))
         # The usual step: every load completed clean, with nothing but its
-        # tail to zero, packed when it arrived (what _complete_each does for
-        # such loads, in a few C-level passes).
-        rank.zero_packed(b"".join(packed), sum(nbytes))
+        # tail to zero, packed when it arrived: what _complete_each does for
+        # such loads, in a few passes over the step's loads and one launch
+        # (benchmarks/RESULTS.md, "Worker side on the GPU": completion of 64
+        # loads against a bare launch).
+        rank.zero_packed_tails(b"".join(packed), sum([pending.nbytes for pending in done]))
         # Counted once the launch returned: a failed one zeroed nothing.
-        rank.count_tails(sum(has_tails))
+        rank.count_tails(sum([pending.has_tail for pending in done]))
         if not tails.holds:
             return set()
-        return {r.req_id for r, p in zip(records, packed, strict=True) if p}
+        return {pending.record.req_id for pending in done if pending.packed}
 
     def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
         """Completed loads one by one: aborted ones dropped; with the KV cache
@@ -371,8 +372,8 @@ class TailWorker:
         vLLM does not); digests launched; vouched tails checked; every tail
         zeroed in one launch. Returns the requests it zeroed for."""
         errors, rank, policy, tails = self._errors, self._rank, self._policy, self._tails
-        batches: list[Zeroing] = []
-        vouched: list[Zeroing] = []
+        batches: list[StaleSlots] = []
+        vouched: list[StaleSlots] = []
         vouched_records: list[LoadRecord] = []
         checks: list[LoadRecord] = []  # verify_kv: loads to digest
         num_tails = 0  # requests
@@ -396,17 +397,17 @@ class TailWorker:
             if req_id in failed or invalid is not None:
                 # Failures are counted once per request by the scheduler side.
                 if policy.zeroes_failed_loads:
-                    batches.append(rank.zeroing(req_id, errors.items(record, invalid)))
+                    batches.append(errors.stale_blocks(record, invalid))
                 continue
             if record.expected is not None:
                 checks.append(record)
             if policy.zeroes_tails:
-                batch = pending.zeroing(rank)
+                batch = rank.stale_tail(record)
                 if record.vouched and self._claims is not None:
                     vouched.append(batch)
                     vouched_records.append(record)
                     continue
-                if batch.lines:
+                if batch.items:
                     batches.append(batch)
                 num_tails += pending.has_tail
         if checks and self._verify is not None:
@@ -415,10 +416,10 @@ class TailWorker:
             false, false_tails = self._claims.check_vouched(vouched, vouched_records)
             batches += false
             num_tails += false_tails
-        zeroed = rank.zero(batches)
+        rank.zero(batches)
         # Counted once the launch returned: a failed one zeroed nothing.
         rank.count_tails(num_tails)
-        return zeroed
+        return {batch.owner for batch in batches if batch.items}
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook

@@ -1,18 +1,18 @@
-"""What the worker-side parts share: this rank's caches and its step zeroer.
+"""What the worker-side parts share to zero: this rank's caches, and one launch per step.
 
 Every part that zeroes (consumer tails, failed loads, producer claims, READ
-tails) builds its work through :class:`RankZeroing` and launches through it,
-so a step's zeroing of every part is one launch, one byte count and one CUDA
-event (``start_load_kv``'s fence waits for it). It holds no per-request state.
+tails) describes what a request leaves stale as :class:`StaleSlots`, built by
+:class:`RankCaches` where the request becomes known, and launches a step's
+work through :meth:`RankCaches.zero`: a step's zeroing of every part is one
+launch, one byte count and one CUDA event (``start_load_kv``'s fence waits
+for it). Nothing here holds per-request state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from itertools import compress
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,18 +20,16 @@ import torch
 from kvtail_connector.cache_sets import CacheSet, TailBytes
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
-from kvtail_connector.ops.zero.plan import ITEM_STRUCT, Line, packed_line, packed_lines
+from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
+from kvtail_connector.ops import KVZeroer
+from kvtail_connector.ops.zero.plan import GroupRows, pack_line
 from kvtail_connector.probe import probe_items
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.tails import first_stale_slot, tail_block
+from kvtail_connector.tails import first_stale_slot
 
 logger = get_logger(__name__)
 
 Item = tuple[int, int, int]  # (cache set index, manager block, first slot to zero)
-# What packing one tail line needs but its block: (first slot, first row, rows).
-_PackFacts = tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -43,54 +41,39 @@ class RankPlacement:
     interleave: int = 1
 
 
-class Zeroing(NamedTuple):
-    """Kernel work lines for one request, and the bytes they zero (a tuple:
-    one per load, on the per-step path).
+@dataclass(slots=True)
+class StaleSlots:
+    """What one request leaves stale on this rank, encoded for the kernel
+    where it becomes known, so that a step's launch only joins bytes.
 
-    ``packed``, ``rows``, ``chunks``: the lines' work columns as the kernel's
-    buffer holds them and their largest row and chunk counts, set together
-    with ``packable`` (by :func:`_zeroing` only) where every line is a tail: a
-    step's launch then joins bytes, whatever the number of loads.
+    Attributes:
+        owner: the request.
+        items: ``(cache set, block, first slot)`` of each stale run; what the
+            probe reads and the torch path zeroes.
+        whole, tails: the items' kernel work lines (``plan.pack_line``),
+            whole blocks and tails apart, as the kernel orders them.
+        nbytes: the bytes they zero.
     """
 
     owner: str
-    lines: list[Line]
+    items: list[Item]
+    whole: bytes
+    tails: bytes
     nbytes: int
-    packed: bytes = b""
-    rows: int = 0
-    chunks: int = 0
-    packable: bool = False
 
 
-def _zeroing(owner: str, lines: list[Line], nbytes: int) -> Zeroing:
-    if not lines:  # nothing to launch: joins as no bytes
-        return Zeroing(owner, lines, nbytes, packable=True)
-    if len(lines) == 1:  # the usual load: one cache set
-        line = lines[0]
-        if not line.item[2]:
-            return Zeroing(owner, lines, nbytes)
-        return Zeroing(owner, lines, nbytes, packed_line(line), line.rows, line.chunks, True)
-    if not all(ln.item[2] for ln in lines):  # a whole block: line_work orders it first
-        return Zeroing(owner, lines, nbytes)
-    return Zeroing(
-        owner,
-        lines,
-        nbytes,
-        packed_lines(lines),
-        max([ln.rows for ln in lines]),
-        max([ln.chunks for ln in lines]),
-        True,
-    )
+class _SetTail(NamedTuple):
+    """One cache set's part of a tail of ``n`` valid tokens, but its block."""
+
+    set_index: int
+    first: int  # first stale slot
+    rows: GroupRows  # where its rows lie (pack_line)
+    nbytes: int
 
 
-@dataclass(frozen=True)
-class _SetInfo:
-    index: int  # zeroer group
-    tokens_per_state: int | Fraction
-
-
-class RankZeroing:
-    """This rank's cache sets, its zeroer and the event behind its last launch.
+class RankCaches:
+    """This rank's cache sets and zeroer, what each load leaves stale on
+    them, and the event behind their last zeroing.
 
     Args:
         groups: tail facts per KV cache group.
@@ -111,31 +94,23 @@ class RankZeroing:
         counts_requests: bool,
     ) -> None:
         self.groups = groups
-        # Per group, for the per-load paths (GroupInfo computes them).
         self._block_tokens = tuple(g.effective_block for g in groups)
-        self._has_tails = tuple(g.has_tails for g in groups)
         self.placement = placement
         self.stats = stats
         self.probe = probe
         self.counts_requests = counts_requests
-        self.zeroer: StepZeroer | None = None
+        self.zeroer: KVZeroer | None = None
         self.sets: list[CacheSet] = []
-        self.tail_bytes = TailBytes((), ())
-        self._sets_of_group: dict[int, list[_SetInfo]] = {}
-        # (group, valid tokens in the tail block) -> what each of its sets'
-        # lines needs but the block: (set, first slot, line facts, bytes).
-        self._tail_facts: dict[
-            tuple[int, int], list[tuple[int, int, tuple[int, int, int], int]]
-        ] = {}
-        # (group, valid tokens) -> (its sets' tail lines but the block, their
-        # bytes; None: some set's line is a whole block, not packable).
-        self._pack_facts: dict[tuple[int, int], tuple[_PackFacts | None, int]] = {}
-        # The widest tail line of any set: the header of every packed launch.
-        self._tail_shape = (0, 0)
+        self._tail_bytes = TailBytes((), ())
+        # Per group, the indices of its sets.
+        self._sets_of_group: dict[int, list[int]] = {}
+        # (group, valid tokens in the tail block) -> its sets' parts of the
+        # tail: a load's tail costs a lookup per group, whatever the layers.
+        self._set_tails: dict[tuple[int, int], tuple[_SetTail, ...]] = {}
         # Recorded behind the latest launch of any part: start_load_kv's fence.
         self.last_zeroing: torch.cuda.Event | None = None
         # Sleep mode: the zeroer unregister_kv_caches put away (see release()).
-        self._released: tuple[StepZeroer | None] | None = None
+        self._released: tuple[KVZeroer | None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -144,14 +119,12 @@ class RankZeroing:
         zeroer put away by sleep mode."""
         self._released = None
         self.sets = sets
-        self.zeroer = StepZeroer([(s.caches, s.pages_per_block) for s in sets])
+        self.zeroer = KVZeroer([(s.caches, s.pages_per_block) for s in sets])
         self._sets_of_group = {}
         for i, s in enumerate(sets):
-            self._sets_of_group.setdefault(s.group_id, []).append(_SetInfo(i, s.tokens_per_state))
-        self.tail_bytes = TailBytes.of(sets)
-        self._tail_facts = {}
-        self._pack_facts = {}
-        self._tail_shape = self.zeroer.tail_shape()
+            self._sets_of_group.setdefault(s.group_id, []).append(i)
+        self._tail_bytes = TailBytes.of(sets)
+        self._set_tails = {}
         self.zeroer.warmup()
 
     @property
@@ -194,228 +167,184 @@ class RankZeroing:
             if event is not None:  # no launcher (the torch path): none recorded
                 self.last_zeroing = event
 
-    # ------------------------------------------------------------------ work
+    # ---------------------------------------------------- what loads leave stale
 
-    def zeroing(self, owner: str, items: list[Item]) -> Zeroing:
-        """Work lines for ``items``, built in Python: a handful of items per
-        request, where numpy costs more."""
-        zeroer = self.zeroer
-        if zeroer is None or not items:
-            return Zeroing(owner, [], 0)
-        lines = [ln for ln in (zeroer.line(*item) for item in items) if ln is not None]
-        tail_bytes = self.tail_bytes
-        nbytes = sum(tail_bytes(g, first) for g, _, first in (ln.item for ln in lines))
-        return _zeroing(owner, lines, nbytes)
-
-    def tail_zeroing(self, record: LoadRecord) -> Zeroing:
-        """``zeroing(record.req_id, tail_items(record))``."""
-        return self.tail_work(record)[0]
-
-    def tail_work(self, record: LoadRecord) -> tuple[Zeroing, bool]:
-        """``(tail_zeroing(record), has_tail(record))`` in one pass, from facts
-        kept per (group, valid tokens): a record costs a few tuples, whatever
-        the layers."""
-        encode = self.zeroer is not None
-        lines: list[Line] = []
-        nbytes = 0
-        has_tail = False
-        block_tokens = self._block_tokens
-        for load in record.groups:
-            k, n = divmod(record.num_loaded, block_tokens[load.group])
-            if not n:
-                continue
-            idx = k - load.first_block
-            if not 0 <= idx < len(load.block_ids):
-                continue
-            block = load.block_ids[idx]
-            if block == NULL_BLOCK:
-                continue
-            has_tail = has_tail or self._has_tails[load.group]
-            if not encode:
-                continue
-            facts = self._tail_facts.get((load.group, n))
-            if facts is None:
-                facts = self._tail_facts[(load.group, n)] = self._facts_of(load.group, n)
-            for index, first, (start, count, chunks), size in facts:
-                lines.append(
-                    Line((index, block, first), (block, first, start, count), count, chunks)
-                )
-                nbytes += size
-        return _zeroing(record.req_id, lines, nbytes), has_tail
-
-    def tail_pack(self, record: LoadRecord) -> tuple[bytes | None, int, bool]:
-        """``(packed, nbytes, has_tail)`` of ``record``'s tail: its lines packed
-        as the kernel's work buffer holds them (:meth:`zero_packed`; None where
-        they cannot be: no caches registered, or a line zeroes a whole block),
-        the bytes they zero, and :meth:`has_tail`. One pass over the record's
-        groups, from facts kept per (group, valid tokens), whatever the layers."""
-        if self.zeroer is None or not self._tail_shape[0]:
-            return None, 0, self.has_tail(record)
-        packed = b""
-        nbytes = 0
-        has_tail = False
-        # Per load on the bind path: locals, each field read once.
-        block_tokens, has_tails, pack_facts = self._block_tokens, self._has_tails, self._pack_facts
-        pack, num_loaded = ITEM_STRUCT.pack, record.num_loaded
-        for group, first_block, block_ids in record.groups:
-            k, n = divmod(num_loaded, block_tokens[group])
-            if not n:
-                continue
-            idx = k - first_block
-            if not 0 <= idx < len(block_ids):
-                continue
-            block = block_ids[idx]
-            if block == NULL_BLOCK:
-                continue
-            has_tail = has_tail or has_tails[group]
-            found = pack_facts.get((group, n))
-            if found is None:
-                found = pack_facts[(group, n)] = self._pack_facts_of(group, n)
-            facts, size = found
-            if facts is None:
-                return None, 0, self.has_tail(record)
-            for first, start, count in facts:
-                packed += pack(block, first, start, count)
-            nbytes += size
-        return packed, nbytes, has_tail
-
-    def _pack_facts_of(self, group: int, n: int) -> tuple[_PackFacts | None, int]:
-        facts = self._tail_facts.get((group, n))
-        if facts is None:
-            facts = self._tail_facts[(group, n)] = self._facts_of(group, n)
-        if any(not first for _, first, _, _ in facts):  # a whole-block line
-            return None, 0
-        return (
-            tuple((first, start, count) for _, first, (start, count, _), _ in facts),
-            sum(size for *_, size in facts),
-        )
-
-    def zero_packed(self, packed: bytes, nbytes: int) -> None:
-        """One launch for tail lines packed by :meth:`tail_pack` (joined), under
-        the widest tail shape; ``nbytes`` counted once launched. Needs
-        :attr:`launches_packed`."""
-        n = len(packed) // ITEM_STRUCT.size
-        if not n:
-            return
-        zeroer = self.zeroer
-        assert zeroer is not None
-        zeroer.zero_packed(packed, n, *self._tail_shape)
-        self.stats.add("tail_bytes_zeroed", nbytes)  # launched
-        # Recorded behind the launch by the zeroer: start_load_kv's fence.
-        self.last_zeroing = zeroer.last_launch_done
-        logger.debug("kvtail: zeroed %d tail item(s) in one launch", n)
-
-    @property
-    def launches_packed(self) -> bool:
-        """:meth:`zero_packed` can launch (caches registered, the Triton path)."""
-        zeroer = self.zeroer
-        return zeroer is not None and zeroer.launches_packed
-
-    def _facts_of(self, group: int, n: int) -> list[tuple[int, int, tuple[int, int, int], int]]:
-        zeroer = self.zeroer
-        assert zeroer is not None
-        info = self.groups[group]
-        sharded = info.dcp_size > 1
-        placement = self.placement
-        out = []
-        for s in self._sets_of_group.get(group, ()):
-            first = first_stale_slot(
-                n,
-                dcp_rank=placement.dcp_rank if sharded else 0,
-                dcp_world_size=info.dcp_size,
-                interleave=placement.interleave if sharded else 1,
-                tokens_per_state=s.tokens_per_state,
-            )
-            line = zeroer.line(s.index, 0, first)
-            if line is not None:
-                _, (_, _, start, count), _, chunks = line
-                out.append(
-                    (s.index, first, (start, count, chunks), self.tail_bytes(s.index, first))
-                )
-        return out
-
-    def tail_items(self, record: LoadRecord) -> list[Item]:
-        """The never-written slots of ``record``'s last block, per cache set."""
-        items = []
-        placement = self.placement
-        for load in record.groups:
-            info = self.groups[load.group]
-            tail = tail_block(record.num_loaded, info.effective_block)
-            if tail is None:
-                continue
-            k, n = tail
-            idx = k - load.first_block
-            if not 0 <= idx < len(load.block_ids):
-                continue
-            block = load.block_ids[idx]
-            if block == NULL_BLOCK:
-                continue
-            sharded = info.dcp_size > 1
-            for s in self._sets_of_group.get(load.group, ()):
-                first = first_stale_slot(
-                    n,
-                    dcp_rank=placement.dcp_rank if sharded else 0,
-                    dcp_world_size=info.dcp_size,
-                    interleave=placement.interleave if sharded else 1,
-                    tokens_per_state=s.tokens_per_state,
-                )
-                items.append((s.index, block, first))
-        return items
-
-    def block_items(self, group: int, blocks: Any) -> list[Item]:
-        """Whole ``blocks`` of ``group`` (non-null ones), in every set of the group."""
-        sets = self._sets_of_group.get(group, ())
-        return [(s.index, b, 0) for b in blocks if b != NULL_BLOCK for s in sets]
+    def _tail_block(self, record: LoadRecord, load: GroupLoad) -> tuple[int, int] | None:
+        """``(block, valid tokens)`` of ``load``'s partially loaded block, unless
+        the load ends on a block boundary or that block is the null block."""
+        k, n = divmod(record.num_loaded, self._block_tokens[load.group])
+        index = k - load.first_block
+        if not n or not 0 <= index < len(load.block_ids):
+            return None
+        block = load.block_ids[index]
+        return None if block == NULL_BLOCK else (block, n)
 
     def has_tail(self, record: LoadRecord) -> bool:
         """Whether ``record`` leaves a stale tail in some group: the same answer
         on every rank (a DCP rank whose share of the block is full has none of
         its own to zero, yet the request still counts once)."""
         for load in record.groups:
-            info = self.groups[load.group]
-            tail = tail_block(record.num_loaded, info.effective_block)
-            if info.has_tails and tail is not None:
-                idx = tail[0] - load.first_block
-                if 0 <= idx < len(load.block_ids) and load.block_ids[idx] != NULL_BLOCK:
-                    return True
+            if self.groups[load.group].has_tails and self._tail_block(record, load):
+                return True
         return False
+
+    def tail_items(self, record: LoadRecord) -> list[Item]:
+        """The never-written slots of ``record``'s last block on this rank, per
+        cache set, as plain items: what the reference path zeroes, apart from
+        the zeroer's encoding."""
+        items = []
+        for load in record.groups:
+            tail = self._tail_block(record, load)
+            if tail is not None:
+                block, n = tail
+                items += [(s, block, first) for s, first in self._first_stale_slots(load.group, n)]
+        return items
+
+    def stale_tail(self, record: LoadRecord) -> StaleSlots:
+        """:meth:`tail_items` encoded (nothing where no caches are registered)."""
+        items: list[Item] = []
+        whole: list[bytes] = []
+        tails: list[bytes] = []
+        nbytes = 0
+        for load in record.groups:
+            tail = self._tail_block(record, load) if self.zeroer is not None else None
+            if tail is None:
+                continue
+            block, n = tail
+            for part in self._tail_parts(load.group, n):
+                items.append((part.set_index, block, part.first))
+                (tails if part.first else whole).append(pack_line(block, part.first, part.rows))
+                nbytes += part.nbytes
+        return StaleSlots(record.req_id, items, b"".join(whole), b"".join(tails), nbytes)
+
+    def packed_tail(self, record: LoadRecord) -> tuple[bytes | None, int, bool]:
+        """:meth:`stale_tail`'s tail lines (None: a whole-block line, or no
+        caches), their bytes and :meth:`has_tail`, in one pass, for
+        :meth:`zero_packed_tails`. Tuned: bind runs it per load, and it costs
+        ~1 µs per load less than those two (CPU) against bind's budget of 2 µs
+        per load (``benchmarks/RESULTS.md``, "Worker side on the GPU": bind,
+        64 loads, per load; 0.9-1.9 µs on the H200's host)."""
+        lines: list[bytes] = []
+        nbytes = 0
+        has_tail = False
+        packable = self.zeroer is not None
+        for load in record.groups:
+            k, n = divmod(record.num_loaded, self._block_tokens[load.group])
+            index = k - load.first_block
+            if not n or not 0 <= index < len(load.block_ids):
+                continue
+            block = load.block_ids[index]
+            if block == NULL_BLOCK:
+                continue
+            has_tail = has_tail or self.groups[load.group].has_tails
+            if not packable:
+                continue
+            for part in self._tail_parts(load.group, n):
+                packable = packable and part.first > 0  # a whole block: not a tail line
+                lines.append(pack_line(block, part.first, part.rows))
+                nbytes += part.nbytes
+        return (b"".join(lines) if packable else None), nbytes, has_tail
+
+    def _tail_parts(self, group: int, n: int) -> tuple[_SetTail, ...]:
+        """Each set's part of a tail of ``n`` valid tokens in ``group``, where
+        it has something to zero (needs the zeroer); kept per (group, n)."""
+        parts = self._set_tails.get((group, n))
+        if parts is None:
+            zeroer = self.zeroer
+            assert zeroer is not None
+            found = []
+            for set_index, first in self._first_stale_slots(group, n):
+                rows = zeroer.rows_for(set_index, first)
+                if rows is not None:
+                    nbytes = self._tail_bytes(set_index, first)
+                    found.append(_SetTail(set_index, first, rows, nbytes))
+            parts = self._set_tails[(group, n)] = tuple(found)
+        return parts
+
+    def _first_stale_slots(self, group: int, n: int) -> Iterator[tuple[int, int]]:
+        """``(set index, first stale slot)`` per set of ``group``, for a tail
+        of ``n`` valid tokens."""
+        info, placement = self.groups[group], self.placement
+        sharded = info.dcp_size > 1
+        for set_index in self._sets_of_group.get(group, ()):
+            first = first_stale_slot(
+                n,
+                dcp_rank=placement.dcp_rank if sharded else 0,
+                dcp_world_size=info.dcp_size,
+                interleave=placement.interleave if sharded else 1,
+                tokens_per_state=self.sets[set_index].tokens_per_state,
+            )
+            yield set_index, first
+
+    def stale_blocks(
+        self, owner: str, blocks_by_group: Iterable[tuple[int, Sequence[int]]]
+    ) -> StaleSlots:
+        """Whole blocks (the non-null ones) of each ``(group, blocks)``, in every
+        set of the group (nothing where no caches are registered)."""
+        items: list[Item] = []
+        lines: list[bytes] = []
+        nbytes = 0
+        zeroer = self.zeroer
+        if zeroer is None:
+            return StaleSlots(owner, items, b"", b"", nbytes)
+        for group, blocks in blocks_by_group:
+            for set_index in self._sets_of_group.get(group, ()):
+                rows = zeroer.rows_for(set_index, 0)
+                if rows is None:
+                    continue
+                for block in blocks:
+                    if block != NULL_BLOCK:
+                        items.append((set_index, block, 0))
+                        lines.append(pack_line(block, 0, rows))
+                        nbytes += self._tail_bytes(set_index, 0)
+        return StaleSlots(owner, items, b"".join(lines), b"", nbytes)
+
+    # ------------------------------------------------------------- launching
 
     def zero(
         self,
-        batches: Sequence[Zeroing],
+        batches: Sequence[StaleSlots],
         counter: str = "tail_bytes_zeroed",
         *,
         probe: bool = True,
-    ) -> set[str]:
-        """One launch for every line of ``batches`` (probed first where the
-        probe is on and ``probe``); bytes counted once launched. Returns the
-        owners of the batches with lines (none where nothing is registered)."""
+    ) -> None:
+        """One launch for every item of ``batches`` (probed first where the
+        probe is on and ``probe``); bytes counted once launched."""
         zeroer = self.zeroer
-        if zeroer is None or not batches:
-            return set()
-        owners, lines, nbytes, packed, rows, chunks, packable = zip(*batches, strict=True)
-        n = sum(map(len, lines))
-        if not n:
-            return set()
-        flat: list[Line] | None = None
+        if zeroer is None or not any([b.items for b in batches]):
+            return
         if probe and self.probe:
-            flat = [ln for group in lines for ln in group]
-            self.report_found(
-                probe_items(
-                    self.sets,
-                    np.array([ln.item for ln in flat], dtype=np.int64),
-                    [b.owner for b in batches for _ in b.lines],
-                )
+            owners = [b.owner for b in batches for _ in b.items]
+            items = np.array([item for b in batches for item in b.items], dtype=np.int64)
+            self.report_found(probe_items(self.sets, items, owners))
+        if zeroer.launches_packed:
+            zeroer.zero_packed(
+                b"".join([b.whole for b in batches]), b"".join([b.tails for b in batches])
             )
-        if all(packable) and zeroer.launches_packed:
-            zeroer.zero_packed(b"".join(packed), n, max(rows), max(chunks))
         else:
-            zeroer.zero_lines(flat if flat is not None else [ln for g in lines for ln in g])
-        self.stats.add(counter, sum(nbytes))  # launched
+            items = np.array([item for b in batches for item in b.items], dtype=np.int64)
+            zeroer.zero(items, validate=False)
+        self._launched(counter, sum([b.nbytes for b in batches]))
+
+    @property
+    def launches_packed(self) -> bool:
+        """:meth:`zero_packed_tails` can launch (caches registered, the Triton path)."""
+        return self.zeroer is not None and self.zeroer.launches_packed
+
+    def zero_packed_tails(self, tails: bytes, nbytes: int) -> None:
+        """One launch for :meth:`packed_tail` lines, joined; ``nbytes`` counted
+        once launched. Not probed. Needs :attr:`launches_packed`."""
+        zeroer = self.zeroer
+        assert zeroer is not None
+        if tails:
+            zeroer.zero_packed(b"", tails)
+            self._launched("tail_bytes_zeroed", nbytes)
+
+    def _launched(self, counter: str, nbytes: int) -> None:
+        self.stats.add(counter, nbytes)
         # Recorded behind the launch by the zeroer: start_load_kv's fence.
-        self.last_zeroing = zeroer.last_launch_done
-        logger.debug("kvtail: zeroed %d tail item(s) in one launch", n)
-        return set(compress(owners, lines))
+        self.last_zeroing = self.zeroer.last_launch_done if self.zeroer is not None else None
+        logger.debug("kvtail: zeroed %d byte(s) of stale slots in one launch", nbytes)
 
     # ------------------------------------------------------------- counting
 

@@ -10,7 +10,7 @@ import torch
 
 from kvtail_connector import zero_kv_blocks
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks, warmup
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
+from kvtail_connector.ops.zero.plan import same_items_work
 from kvtail_connector.ops.zero.work_schema import MAX_UNITS
 from tests.helpers.layouts import make_backing, rebase, to_device
 from tests.ops.test_zero_kv_blocks import INTERPRET
@@ -33,12 +33,14 @@ def test_launch_is_bounded_for_181_segments_and_10000_blocks():
     # program count; the work only sets how often programs loop.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _, views = _many_layer_views(device)
-    zeroer = StepZeroer([(views, 1)], implementation="triton")
+    zeroer = KVZeroer([(views, 1)], implementation="triton")
+    tails, whole = zeroer.rows_for(0, 1), zeroer.rows_for(0, 0)
+    assert tails is not None and whole is not None
     for first in (0, 1):  # whole blocks, then tails
-        staged = zeroer.stage_groups([0], [(b, first) for b in range(10_000)])
+        _, units = same_items_work([(b, first) for b in range(10_000)], tails, whole, 4)
         # One unit per (block, layer page): each page fits one BLOCK chunk.
-        assert staged.units == 10_000 * 181
-        assert staged.units < MAX_UNITS
+        assert units == 10_000 * 181
+        assert units < MAX_UNITS
 
 
 @pytest.mark.gpu
@@ -60,14 +62,14 @@ def test_staged_launch_replays_from_a_cuda_graph():
     expected = backing.raw.clone()
     reference_zero_kv_blocks(rebase(backing.views, expected), [3], [(5, 7), (9, 1)])
     dev = to_device(backing, "cuda")
-    zeroer = StepZeroer([(dev.views, 1)])
+    zeroer = KVZeroer([(dev.views, 1)])
     zeroer.warmup()
-    staged = zeroer.stage_groups([0], [(3, 0), (5, 7), (9, 1)])
-    assert staged.has_work(0)
+    (launch,) = zeroer.stage([0], [(3, 0), (5, 7), (9, 1)])
+    assert launch is not None
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        staged.launch(0)
+        launch()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dev.raw.cpu(), expected)
@@ -133,7 +135,7 @@ def test_last_launch_done_is_recorded_behind_the_launch(use_graphs):
 
 @pytest.mark.gpu
 def test_record_done_covers_zeroing_enqueued_outside_a_launch():
-    # RankZeroing.mark_zeroed: after READ tails zeroed on the reference path,
+    # RankCaches.mark_zeroed: after READ tails zeroed on the reference path,
     # start_load_kv's fence waits on this event; the launch's own is too early.
     backing = make_backing(
         "LBHNC", num_layers=2, num_pages=8, heads=2, slots=16, content=64, dtype=torch.float16
@@ -141,7 +143,7 @@ def test_record_done_covers_zeroing_enqueued_outside_a_launch():
     expected = backing.raw.clone()
     reference_zero_kv_blocks(rebase(backing.views, expected), (), [(1, 2), (3, 5)])
     dev = to_device(backing, "cuda")
-    zeroer = StepZeroer([(dev.views, 1)])
+    zeroer = KVZeroer([(dev.views, 1)])
     zeroer.zero(np.array([[0, 1, 2]]))
     launched = zeroer.last_launch_done
     torch.cuda._sleep(200_000_000)  # the stream stays busy past the checks below

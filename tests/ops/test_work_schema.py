@@ -1,8 +1,9 @@
 """The kernel's tables have one layout: what the packers write, the schema's names read.
 
 - Work buffers packed by every encoder (``KVZeroer.zero``'s numpy encoding,
-  the worker's lines, the staged per-layer encoding) decode, by the names of
-  ``ops/zero/work_schema.py``, to values worked out here by hand.
+  the worker's lines packed one by one, the per-layer encoding of
+  ``KVZeroer.stage``) decode, by the names of ``ops/zero/work_schema.py``, to
+  values worked out here by hand.
 - The kernel, given its columns by the launcher, zeroes exactly what the
   reference does on a case where every column of every table matters (a
   column read from the wrong place zeroes other bytes).
@@ -14,11 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvtail_connector.ops import PageRegion, RegionCache, reference_zero_kv_blocks
+from kvtail_connector.ops import KVZeroer, PageRegion, RegionCache, reference_zero_kv_blocks
 from kvtail_connector.ops.geometry import Row
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
 from kvtail_connector.ops.zero.launcher import COLUMNS, kernel
-from kvtail_connector.ops.zero.plan import encoded_work, line_work, row_table
+from kvtail_connector.ops.zero.plan import (
+    WorkShape,
+    pack_line,
+    packed_work,
+    row_table,
+    same_items_work,
+)
 from kvtail_connector.ops.zero.work_schema import (
     HEADER_WORDS,
     ITEM_COLS,
@@ -34,7 +40,9 @@ from tests.ops.test_zero_kv_blocks import INTERPRET, _diff
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 
 
-def _decode(work: np.ndarray) -> tuple[WorkHeader, list[WorkItem]]:
+def _decode(work: bytes | np.ndarray) -> tuple[WorkHeader, list[WorkItem]]:
+    if isinstance(work, bytes):
+        work = np.frombuffer(work, dtype=np.int64)
     header = WorkHeader(*map(int, work[: len(WorkHeader._fields)]))
     assert not work[len(WorkHeader._fields) : HEADER_WORDS].any()  # padding
     body = work[HEADER_WORDS:].reshape(-1, ITEM_COLS)
@@ -68,13 +76,13 @@ def test_row_table_decodes_to_the_kernel_units():
     assert RowEntry(*map(int, row_table([vec])[0])).vectorized == 1
 
 
-def _zeroer(implementation: str = "triton") -> StepZeroer:
+def _zeroer(implementation: str = "triton") -> KVZeroer:
     # Group g (one layer each): 2 heads x 4 slots x 8 fp16 per page, head-major:
     # per page, 2 tail rows (one per head) and 1 whole-block row (the page).
     backing = make_backing(
         "LBHNC", num_layers=2, num_pages=8, heads=2, slots=4, content=8, dtype=torch.float16
     )
-    return StepZeroer([([v], 2) for v in backing.views], implementation=implementation)
+    return KVZeroer([([v], 2) for v in backing.views], implementation=implementation)
 
 
 @needs_interpreter
@@ -95,21 +103,30 @@ def test_every_encoder_packs_the_schema_columns():
         ]
 
     items = [(1, 3, 5), (1, 2, 0), (1, 1, 2)]  # the whole block goes first
-    lines = [zeroer.line(*item) for item in items]
-    by_line = _decode(line_work([ln for ln in lines if ln is not None])[0])
-    by_numpy = _decode(encoded_work(zeroer._encode(np.array(items), validate=True))[0])
-    assert by_line == by_numpy == (want_header, want_items(1))
+    ran: list[bytes] = []
+    assert zeroer._launcher is not None
+    zeroer._launcher.run = lambda work, units: ran.append(work)  # the buffer, not the launch
+    zeroer.zero(np.array(items))
+    (by_numpy,) = ran
 
-    staged = zeroer.stage_groups([1, 0], [(3, 5), (2, 0), (1, 2)])
-    assert staged.base is not None
-    base = staged.base.cpu().numpy()
-    for k, group in enumerate((1, 0)):
-        span = staged.spans[k]
-        assert span is not None
-        assert _decode(base[span[0] : span[0] + HEADER_WORDS + 3 * ITEM_COLS]) == (
-            want_header,
-            want_items(group),
-        )
+    whole = b"".join(pack_line(b, f, zeroer.rows_for(g, f)) for g, b, f in items if f == 0)
+    tails = b"".join(pack_line(b, f, zeroer.rows_for(g, f)) for g, b, f in items if f)
+    widest = WorkShape(rows=4, chunks=1), WorkShape(rows=1, chunks=1)  # tails, whole
+    by_line, _ = packed_work(whole, tails, widest[1], widest[0])
+    assert _decode(by_numpy) == _decode(by_line) == (want_header, want_items(1))
+
+    # The per-layer encoding: each group reads a table of its own, its tail
+    # rows from row 0 and its whole-block rows after them.
+    tail_rows, whole_rows = zeroer.rows_for(0, 5), zeroer.rows_for(0, 0)
+    own_tails, own_whole = tail_rows._replace(start=0), whole_rows._replace(start=4)
+    staged, _ = same_items_work([(3, 5), (2, 0), (1, 2)], own_tails, own_whole, 8)
+    header, lines = _decode(staged)
+    assert header == want_header
+    assert lines == [
+        WorkItem(block=2, first_slot=0, first_row=4, row_count=1),
+        WorkItem(block=3, first_slot=5, first_row=0, row_count=4),
+        WorkItem(block=1, first_slot=2, first_row=0, row_count=4),
+    ]
 
 
 def _mixed_caches(raw_b, views_a):
@@ -138,7 +155,7 @@ def test_kernel_matches_the_reference_where_every_column_matters():
     raw_b = torch.randint(1, 255, (6 * 64 + 32,), dtype=torch.uint8, generator=gen)
     expected_a, expected_b = a.raw.clone(), raw_b.clone()
     group0, group1 = _mixed_caches(raw_b, a.views)
-    zeroer = StepZeroer([(group0, 2), (group1, 1)], implementation="triton")
+    zeroer = KVZeroer([(group0, 2), (group1, 1)], implementation="triton")
 
     # The case exercises every row column: both units, both store widths,
     # slot strides unlike runs, first slots past 0, slot steps past 1, and

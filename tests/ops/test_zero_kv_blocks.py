@@ -25,7 +25,6 @@ from kvtail_connector.ops import (
     reference_zero_kv_blocks,
 )
 from kvtail_connector.ops.zero import torch_path
-from kvtail_connector.ops.zero._step_zeroer import StepZeroer
 from tests.helpers.layouts import DTYPES, LAYOUTS, make_backing, rebase, to_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -383,10 +382,10 @@ def test_several_groups_in_one_call(backend, device):
 
 
 @pytest.mark.parametrize(("backend", "device"), PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize("same_geometry", [True, False], ids=["numpy", "by-line"])
+@pytest.mark.parametrize("same_geometry", [True, False], ids=["one shape", "two shapes"])
 def test_staged_groups_zero_the_same_items_in_each_group(backend, device, same_geometry):
     # The same (block, first) items staged for several one-layer groups; each
-    # launch zeroes its own layer. Identical layers take the numpy encoding.
+    # launch zeroes its own layer. Identical layers share one work buffer.
     backing = make_backing(
         "LBHNC", num_layers=3, num_pages=8, heads=2, slots=8, content=16, dtype=torch.bfloat16
     )
@@ -395,18 +394,19 @@ def test_staged_groups_zero_the_same_items_in_each_group(backend, device, same_g
     ref_views = rebase(backing.views, expected := backing.raw.clone())
     if not same_geometry:  # one layer seen with half its heads: other row counts
         views[1], ref_views[1] = views[1][:, :1], ref_views[1][:, :1]
-    zeroer = StepZeroer([([v], 1) for v in views], implementation=backend)
+    zeroer = KVZeroer([([v], 1) for v in views], implementation=backend)
     items = [(3, 5), (1, 0), (6, 8), (2, 7)]  # first 8: nothing left in that block
-    staged = zeroer.stage_groups([2, 0, 1], items)
-    assert all(staged.has_work(k) for k in range(3))
+    launches = zeroer.stage([2, 0, 1], items)
     for k, layer in ((0, 2), (2, 1), (1, 0)):  # launched in another order than staged
         reference_zero_kv_blocks([ref_views[layer]], [1], [(3, 5), (2, 7)])
-        staged.launch(k, record_event=k == 1)
+        launch = launches[k]
+        assert launch is not None
+        launch()
         assert torch.equal(on_dev.raw.cpu(), expected), _diff(on_dev.raw.cpu(), expected)
     zeroer.record_done()
-    assert not zeroer.stage_groups([0, 1], []).has_work(0)
-    dead = zeroer.stage_groups([0, 1], [(4, 8)])  # first slot past the block: nothing
-    assert not dead.has_work(0) and not dead.has_work(1)
+    assert zeroer.stage([0, 1], []) == [None, None]
+    # First slot past the block: nothing.
+    assert zeroer.stage([0, 1], [(4, 8)]) == [None, None]
 
 
 def test_public_function_matches_reference():

@@ -681,7 +681,7 @@ def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
 
     worker.bind(load("a", (5, 2, 7), vouched=True))
     again = load("a", (1, 3, 4), vouched=False)
-    _inject_once(monkeypatch, worker._rank, "stale_tail")
+    _inject_once(monkeypatch, worker._rank, "packed_tail")
     try:
         worker.bind(again)
     except Exception as exc:

@@ -1,7 +1,7 @@
-"""The packed completion path (Triton, through the
-interpreter: RankZeroing.tail_pack, one launch under the widest tail shape)
-zeroes byte for byte what the per-load torch path does (_complete_each,
-tail_items), on two groups of different precision and row counts, DCP ranks
+"""The packed completion path (Triton, through the interpreter: each load's
+tail encoded where it arrives, RankCaches.stale_tail, and one launch under
+the widest shapes) zeroes byte for byte what the torch path does (the same
+loads' items), on two groups of different precision and row counts, DCP ranks
 (including ones whose share of a tail block is empty or whole) and page
 splits, with a null tail block among the loads."""
 
@@ -41,9 +41,9 @@ def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkey
     infos = group_infos(kv, world)
     kernel_sizes = {g: kbs for g in range(ngroups)} if kbs else None
     results = {}
-    orig = zeroing.StepZeroer
+    orig = zeroing.KVZeroer
     for impl in ("torch", "triton"):
-        monkeypatch.setattr(zeroing, "StepZeroer", functools.partial(orig, implementation=impl))
+        monkeypatch.setattr(zeroing, "KVZeroer", functools.partial(orig, implementation=impl))
         caches = allocate(kv, kernel_block_sizes=kernel_sizes)
         gen = torch.Generator().manual_seed(1)
         for raw in caches.raw.values():
@@ -52,7 +52,8 @@ def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkey
             infos, RankPlacement(rank, world, interleave), tail_policy(), stats=KVTailStats()
         )
         worker.register_kv_caches(caches.views, kv, caches.layers)
-        assert worker._rank.launches_packed == (impl == "triton")
+        zeroer = worker._rank.zeroer
+        assert zeroer.launches_packed == (impl == "triton")
         rng = random.Random(7)
         pools = []
         for _ in range(ngroups):
@@ -73,11 +74,11 @@ def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkey
             loads.append(LoadRecord(f"r{i}", 0, loaded, tuple(groups)))
         worker.bind(KVTailMetadata(inner=None, loads=tuple(loads)))  # type: ignore[arg-type]
         bulk = []
-        real = worker._rank.zero_packed
+        real = zeroer.zero_packed
         monkeypatch.setattr(
-            worker._rank,
+            zeroer,
             "zero_packed",
-            lambda p, n, bulk=bulk, real=real: (bulk.append(len(p)), real(p, n)),
+            lambda w, t, bulk=bulk, real=real: (bulk.append(len(w) + len(t)), real(w, t)),
         )
         worker.on_transfer_results({r.req_id for r in loads}, set(), inner=ErrorSource())
         if impl == "triton" and (world, rank) in ((1, 0), (2, 0)):

@@ -29,8 +29,8 @@ def zeroer_path(request, monkeypatch):
     if request.param == "triton":
         import kvtail_connector.features.zeroing as zeroing
 
-        triton_zeroer = functools.partial(zeroing.StepZeroer, implementation="triton")
-        monkeypatch.setattr(zeroing, "StepZeroer", triton_zeroer)
+        triton_zeroer = functools.partial(zeroing.KVZeroer, implementation="triton")
+        monkeypatch.setattr(zeroing, "KVZeroer", triton_zeroer)
     return request.param
 
 
@@ -45,7 +45,7 @@ def test_tails_byte_exact_in_every_layout(layout, dtype, zeroer_path):
     expected = {g: raw.clone() for g, raw in caches.raw.items()}
     worker = make_tail_worker(kv)
     worker.register_kv_caches(caches.views, kv, caches.layers)
-    assert worker._rank.launches_packed == (zeroer_path == "triton")
+    assert worker._rank.zeroer.launches_packed == (zeroer_path == "triton")
     loads = (
         LoadRecord("a", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),)),  # tail: block 7, 5 tokens
         LoadRecord("b", 16, 49, (GroupLoad(0, 1, (1, 4, 6)),)),  # tail: block 6, 1 token

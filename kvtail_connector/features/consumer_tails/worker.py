@@ -11,7 +11,7 @@ that orders after the zeroing:
 - every reader on the compute stream (the request's forward, CoW copies, a new
   owner's forward), on both model runners;
 - transfers the inner connector starts in ``start_load_kv``: the fence
-  (:meth:`~kvtail_connector.features.zeroing.RankZeroing.fence`) waits for
+  (:meth:`~kvtail_connector.features.zeroing.RankCaches.fence`) waits for
   earlier zeroing first;
 - on the V1 runner everything else too: its connector hooks run before
   sampling, and the scheduler reads the step's output after it. The V2 runner
@@ -27,34 +27,29 @@ that orders after the zeroing:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from itertools import repeat
-from typing import NamedTuple, cast
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.features.consumer_tails.hold import CompletionHold
-from kvtail_connector.features.zeroing import RankZeroing, Zeroing
+from kvtail_connector.features.zeroing import RankCaches
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 
 logger = get_logger(__name__)
-_new = tuple.__new__
 
 
-class Pending(NamedTuple):
-    """A load in flight: its record and its tail, packed when it arrived
-    (a tuple: one per load, built on the per-step path)."""
+@dataclass(slots=True)
+class Pending:
+    """A load in flight: its record, and its tail encoded when it arrived."""
 
     record: LoadRecord
-    # The tail's work lines packed (RankZeroing.tail_pack), or None: the load
-    # completes one by one (vouched, a digest to verify, no caches registered
-    # when it arrived, a whole block to zero).
+    # The tail's lines (RankCaches.packed_tail), where its tail is all there
+    # is to do at completion; None: completed one by one (vouched, a digest
+    # to check, a whole block to zero, no caches registered when it arrived).
     packed: bytes | None
     nbytes: int  # what the packed lines zero
-    has_tail: bool  # RankZeroing.has_tail(record)
-
-    def zeroing(self, rank: RankZeroing) -> Zeroing:
-        return rank.tail_zeroing(self.record)
+    has_tail: bool  # RankCaches.has_tail(record)
 
 
 def _written(record: LoadRecord) -> Iterator[int]:
@@ -73,7 +68,7 @@ class ConsumerTailsWorker:
             their zeroing has executed (``TailPolicy.holds_completions``).
     """
 
-    def __init__(self, rank: RankZeroing, *, holds_completions: bool) -> None:
+    def __init__(self, rank: RankCaches, *, holds_completions: bool) -> None:
         self._rank = rank
         self._loads: dict[str, Pending] = {}
         # Loads in flight whose request vLLM has already finished (aborted).
@@ -81,20 +76,14 @@ class ConsumerTailsWorker:
         self._hold = CompletionHold() if holds_completions else None
 
     def bind(self, loads: Iterable[LoadRecord]) -> None:
-        pending, abandoned = self._loads, self._abandoned
-        # Without registered caches (profiling, sleep mode) the lines are
-        # built at completion instead.
-        pack = self._rank.tail_pack
+        rank = self._rank
         for record in loads:
-            req_id = record.req_id
-            packed, nbytes, has_tail = pack(record)
+            packed, nbytes, has_tail = rank.packed_tail(record)
             if record.vouched or record.expected is not None:
                 packed = None  # more than its tail to do
-            # A new load of a reused id replaces the old one. tuple.__new__:
-            # the NamedTuple's own __new__ is a Python call per load.
-            pending[req_id] = _new(Pending, (record, packed, nbytes, has_tail))
-            if abandoned:
-                abandoned.discard(req_id)
+            # A new load of a reused id replaces the old one.
+            self._loads[record.req_id] = Pending(record, packed, nbytes, has_tail)
+            self._abandoned.discard(record.req_id)
 
     def drop(self, req_ids: Iterable[str]) -> None:
         """Forget these loads (their record is lost: reported failed instead)."""
@@ -118,13 +107,10 @@ class ConsumerTailsWorker:
             self._abandoned |= self._loads.keys() & finished_req_ids
 
     def completed(self, finished_recving: Iterable[str]) -> list[Pending]:
-        """The tracked loads among ``finished_recving``, forgotten here."""
-        # One C-level pass; a completion not ours pops as None (rare: loads
-        # block-aligned where only tails are recorded).
-        done: list[Pending | None] = list(map(self._loads.pop, finished_recving, repeat(None)))
-        if None in done:
-            return [p for p in done if p is not None]
-        return cast(list[Pending], done)
+        """The tracked loads among ``finished_recving``, forgotten here (a
+        completion may be untracked: a block-aligned load has no record)."""
+        done = [self._loads.pop(req_id, None) for req_id in finished_recving]
+        return [pending for pending in done if pending is not None]
 
     @property
     def any_abandoned(self) -> bool:

@@ -29,8 +29,15 @@ from typing import Any, NamedTuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.features.load_errors.ledger import InFlight, LoadErrorLedger
-from kvtail_connector.features.zeroing import Item, RankZeroing
+from kvtail_connector.features.zeroing import RankCaches, StaleSlots
 from kvtail_connector.metadata import LoadRecord
+
+
+class FirstInvalid(NamedTuple):
+    """A failed load's first block reported invalid."""
+
+    group: int
+    position: int  # in the load's block list of the group
 
 
 class CompletionPass(NamedTuple):
@@ -43,7 +50,7 @@ class CompletionPass(NamedTuple):
 class LoadErrorsWorker:
     """The ledger of invalid blocks and the loads to report failed."""
 
-    def __init__(self, rank: RankZeroing, in_flight: InFlight) -> None:
+    def __init__(self, rank: RankCaches, in_flight: InFlight) -> None:
         self._rank = rank
         self._ledger = LoadErrorLedger(in_flight)
         # Loads to report failed when they complete.
@@ -79,20 +86,18 @@ class LoadErrorsWorker:
     def has_invalid(self) -> bool:
         return self._ledger.has_invalid
 
-    def settle(self, record: LoadRecord) -> tuple[int, int] | None:
-        """Forget the completed load ``record``; (group, index in its block
-        list) of its first invalid block, or None."""
+    def settle(self, record: LoadRecord) -> FirstInvalid | None:
+        """Forget the completed load ``record``; its first invalid block, or None."""
         return _first_invalid(record, self._ledger.release(record.req_id))
 
-    def items(self, record: LoadRecord, invalid: tuple[int, int] | None) -> list[Item]:
+    def stale_blocks(self, record: LoadRecord, invalid: FirstInvalid | None) -> StaleSlots:
         """Whole destination blocks from the first invalid one on (all, if none
         is named); never the blocks before it, which hold valid KV."""
-        rank = self._rank
-        items: list[Item] = []
+        blocks = []
         for load in record.groups:
-            start = invalid[1] if invalid is not None and invalid[0] == load.group else 0
-            items += rank.block_items(load.group, load.block_ids[start:])
-        return items
+            start = invalid.position if invalid is not None and invalid.group == load.group else 0
+            blocks.append((load.group, load.block_ids[start:]))
+        return self._rank.stale_blocks(record.req_id, blocks)
 
     def report_failing(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
@@ -184,12 +189,12 @@ class LoadErrorsWorker:
         return self._ledger.num_tracked + len(self._failing) + len(self._owed) + unanswered
 
 
-def _first_invalid(record: LoadRecord, invalid: set[int]) -> tuple[int, int] | None:
-    """(group, index in its block list) of the load's first invalid block."""
+def _first_invalid(record: LoadRecord, invalid: set[int]) -> FirstInvalid | None:
+    """The load's first block in ``invalid``."""
     if not invalid:
         return None
     for load in record.groups:
         for i, block in enumerate(load.block_ids):
             if block in invalid:
-                return load.group, i
+                return FirstInvalid(load.group, i)
     return None

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvtail_connector.features.zeroing import RankZeroing, Zeroing
+from kvtail_connector.features.zeroing import RankCaches, StaleSlots
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import LoadRecord
 from kvtail_connector.probe import probe_items
@@ -27,18 +27,14 @@ from kvtail_connector.probe import probe_items
 logger = get_logger(__name__)
 
 
-def _later(_record: LoadRecord) -> None:
-    return None
-
-
 class ClaimsWorker:
     """This step's producer tails, those zeroed, and false claims found."""
 
-    def __init__(self, rank: RankZeroing) -> None:
+    def __init__(self, rank: RankCaches) -> None:
         self._rank = rank
         # This step's prompt tails, encoded as they arrive (the hook launches);
         # None where no caches were registered then (encoded in the hook).
-        self._producer_tails: list[tuple[LoadRecord, Zeroing | None]] = []
+        self._producer_tails: list[tuple[LoadRecord, StaleSlots | None]] = []
         self._zeroed: list[str] = []
         # Requests whose vouched tail the probe found non-zero, on their way
         # to this step's worker metadata.
@@ -47,10 +43,10 @@ class ClaimsWorker:
     # -------------------------------------------------------------- producer
 
     def bind(self, producer_tails: Iterable[LoadRecord]) -> None:
-        if producer_tails:
-            rank = self._rank
-            encode = rank.tail_zeroing if rank.zeroer is not None else _later
-            self._producer_tails.extend((r, encode(r)) for r in producer_tails)
+        rank = self._rank
+        registered = rank.zeroer is not None
+        for record in producer_tails:
+            self._producer_tails.append((record, rank.stale_tail(record) if registered else None))
 
     def zero_producer_tails(self) -> None:
         """Zero the slots past each completing prompt in its last block, on the
@@ -60,7 +56,7 @@ class ClaimsWorker:
         tails, self._producer_tails = self._producer_tails, []
         rank = self._rank
         if tails and rank.zeroer is not None:
-            batches = [z if z is not None else rank.tail_zeroing(r) for r, z in tails]
+            batches = [tail if tail is not None else rank.stale_tail(r) for r, tail in tails]
             # Not probed: the counters say what consumers received.
             rank.zero(batches, counter="producer_tail_bytes_zeroed", probe=False)
             self._zeroed.extend(b.owner for b in batches)
@@ -82,8 +78,8 @@ class ClaimsWorker:
     # -------------------------------------------------------------- consumer
 
     def check_vouched(
-        self, batches: list[Zeroing], records: list[LoadRecord]
-    ) -> tuple[list[Zeroing], int]:
+        self, batches: list[StaleSlots], records: list[LoadRecord]
+    ) -> tuple[list[StaleSlots], int]:
         """Vouched tails are not zeroed, only counted; with the probe on they
         are checked first, and those holding any non-zero byte are returned to
         be zeroed, with how many of them the caller counts as zeroed tails once
@@ -92,14 +88,14 @@ class ClaimsWorker:
         if not batches:
             return [], 0
         rank = self._rank
-        lined = [b for b in batches if b.lines]
+        lined = [b for b in batches if b.items]
         if not rank.probe or not lined:
             self.count_vouched(sum(b.nbytes for b in batches), records)
             return [], 0
         found = probe_items(
             rank.sets,
-            np.array([ln.item for b in lined for ln in b.lines], dtype=np.int64),
-            [b.owner for b in lined for _ in b.lines],
+            np.array([item for b in lined for item in b.items], dtype=np.int64),
+            [b.owner for b in lined for _ in b.items],
         )
         false = {req for req, (nonzero, _) in found.items() if nonzero}
         honest = [r for r in records if r.req_id not in false]

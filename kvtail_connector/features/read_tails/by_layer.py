@@ -16,25 +16,25 @@ the zeroing at the producer's prompt length (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from kvtail_connector.cache_sets import CacheSet, TailBytes
-from kvtail_connector.ops.zero._step_zeroer import SharedTails, StagedGroups, StepZeroer
+from kvtail_connector.ops import KVZeroer
 
 
 @dataclass
 class _Armed:
-    """One cache set's READ tails this step, staged for every layer of the set:
-    one work buffer all its layers read (``shared``), or one segment per
-    layer (``staged``: whole blocks, layers of different geometry, torch)."""
+    """One cache set's READ tails this step, a launch staged for each of the
+    set's layers (``KVZeroer.stage``: one work buffer on the device for them
+    all, where the layers are alike)."""
 
     blocks_firsts: list[tuple[int, int]]
     owners: list[str]
-    shared: SharedTails | None
-    staged: StagedGroups | None
+    launches: list[Callable[[], None] | None]  # per layer of the set; None: nothing
     # Slots per block -> the stale slots of every item together: a layer's
     # bytes are its slot bytes times that (one lookup per layer, not a pass).
     stale: dict[int, int]
@@ -47,10 +47,10 @@ class _Armed:
 
 
 class LayerWork(NamedTuple):
-    """What one layer has to zero (a tuple: built as the layer lands)."""
+    """What one layer has to zero."""
 
     armed: _Armed
-    k: int  # index in the set's layers (and in ``armed.staged``)
+    k: int  # index in the set's layers (and in ``armed.launches``)
     group: int  # the layer's zeroer group
 
     @property
@@ -58,8 +58,12 @@ class LayerWork(NamedTuple):
         return [(self.group, b, f) for b, f in self.armed.blocks_firsts]
 
 
-# A layer's place: (cache set index, index in the set's layers, zeroer group).
-_Place = tuple[int, int, int]
+class _Place(NamedTuple):
+    """A layer's place."""
+
+    set_index: int
+    k: int  # index in the set's layers
+    group: int  # the layer's zeroer group
 
 
 class ReadTailsByLayer:
@@ -84,25 +88,17 @@ class ReadTailsByLayer:
             self._children.append(list(range(i, i + len(s.caches))))
             i += len(s.caches)
         self._names = [ls.layer_names[0] for ls in self.layer_sets]
-        self.zeroer = StepZeroer(
+        self.zeroer = KVZeroer(
             [([c], s.pages_per_block) for s in sets for c in s.caches],
             implementation=implementation,  # type: ignore[arg-type]
         )
         self._tail_bytes = TailBytes.of(self.layer_sets)
         # Per set, its layers' places by name (merged into the pending ones
-        # in one C-level update per step), and per layer its own row table
-        # where the set's layers share one geometry (None: they do not).
+        # in one C-level update per step).
         self._places: list[dict[str, _Place]] = [
-            {self._names[child]: (s, k, child) for k, child in enumerate(children)}
+            {self._names[child]: _Place(s, k, child) for k, child in enumerate(children)}
             for s, children in enumerate(self._children)
         ]
-        self._tables: list[torch.Tensor | None] = [None] * len(self._names)
-        self._shares: list[bool] = []
-        for children in self._children:
-            tables = self.zeroer.layer_tables(children)
-            self._shares.append(tables is not None)
-            for child, table in zip(children, tables or (), strict=False):
-                self._tables[child] = table
         self._armed: list[list[tuple[str, int, int]]] = [[] for _ in sets]
         self._step: list[_Armed | None] = [None] * len(sets)
         self._work: dict[str, _Place] = {}  # layers still to zero this step
@@ -123,7 +119,7 @@ class ReadTailsByLayer:
 
     def owners_pending(self) -> set[str]:
         """Requests with layers still to zero."""
-        sets = {s for s, _, _ in self._work.values()}
+        sets = {place.set_index for place in self._work.values()}
         return {owner for s in sets for owner in self._batch(s).owners}
 
     def arm(self, owner: str, items: list[tuple[int, int, int]]) -> None:
@@ -144,37 +140,19 @@ class ReadTailsByLayer:
             for set_index, armed in enumerate(self._armed):
                 if not armed:
                     continue
-                children = self._children[set_index]
                 blocks_firsts = [(block, first) for _, block, first in armed]
-                shared = (
-                    self.zeroer.stage_shared(children, blocks_firsts)
-                    if self._shares[set_index]
-                    else None
-                )
-                batch = _Armed(
-                    blocks_firsts,
-                    [owner for owner, _, _ in armed],
-                    shared,
-                    None
-                    if shared is not None
-                    else self.zeroer.stage_groups(children, blocks_firsts),
-                    {},
-                )
-                staged.append((set_index, batch))
+                launches = self.zeroer.stage(self._children[set_index], blocks_firsts)
+                owners = [owner for owner, _, _ in armed]
+                staged.append((set_index, _Armed(blocks_firsts, owners, launches, {})))
         finally:
             for armed in self._armed:
                 armed.clear()
         for set_index, batch in staged:
             self._step[set_index] = batch
-            if batch.shared is not None:
-                self._work.update(self._places[set_index])
-                continue
-            assert batch.staged is not None
-            spans = batch.staged.spans
             self._work.update(
                 (name, place)
                 for name, place in self._places[set_index].items()
-                if spans[place[1]] is not None
+                if batch.launches[place.k] is not None
             )
 
     def reset(self) -> None:
@@ -194,7 +172,9 @@ class ReadTailsByLayer:
     def peek(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), left pending."""
         place = self._work.get(layer_name)
-        return None if place is None else LayerWork(self._batch(place[0]), *place[1:])
+        return (
+            None if place is None else LayerWork(self._batch(place.set_index), place.k, place.group)
+        )
 
     def take(self, layer_name: str) -> LayerWork | None:
         """The work of ``layer_name`` (None if it has none), removed: only once
@@ -202,31 +182,25 @@ class ReadTailsByLayer:
         place = self._work.get(layer_name)
         if place is None:
             return None
-        s, k, child = place
-        work = LayerWork(self._batch(s), k, child)
+        work = LayerWork(self._batch(place.set_index), place.k, place.group)
         del self._work[layer_name]
         return work
 
     def take_all(self) -> list[LayerWork]:
         """Every layer's remaining work, removed."""
-        works = [LayerWork(self._batch(s), k, child) for s, k, child in self._work.values()]
+        works = [LayerWork(self._batch(p.set_index), p.k, p.group) for p in self._work.values()]
         self._work.clear()
         return works
 
     def zero(self, work: LayerWork) -> None:
         """Launch ``work``; the done event is recorded only behind the last
         layer's launch (or by :meth:`record_done`)."""
+        launch = work.armed.launches[work.k]
+        assert launch is not None, "a pending layer has a launch staged"
+        launch()
         last = not self._work
-        shared = work.armed.shared
-        if shared is not None:
-            table = self._tables[work.group]
-            assert table is not None
-            shared.launch(shared.work, table)
-            if last:
-                self.zeroer.record_done()
-        else:
-            assert work.armed.staged is not None
-            work.armed.staged.launch(work.k, record_event=last)
+        if last:
+            self.zeroer.record_done()
         self._unrecorded = not last
 
     def zeroed_apart(self) -> None:

@@ -19,7 +19,7 @@ from kvtail_connector.cache_sets import CacheSet
 from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.read_tails.by_layer import LayerWork, ReadTailsByLayer
 from kvtail_connector.features.read_tails.on_reference import ReferenceLayers
-from kvtail_connector.features.zeroing import RankZeroing
+from kvtail_connector.features.zeroing import RankCaches
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import LoadRecord
 from kvtail_connector.ops import reference_zero_kv_blocks
@@ -41,7 +41,7 @@ class ReadTailsWorker:
 
     def __init__(
         self,
-        rank: RankZeroing,
+        rank: RankCaches,
         *,
         by_layer: bool,
         trusts_load_claims: bool,
@@ -122,12 +122,7 @@ class ReadTailsWorker:
                 # READs copy the producer's blocks, zeroed at the source: no
                 # per-layer launch and no work lines, only the bytes left alone
                 # (the probe's canary covers async loads only).
-                tail_bytes = rank.tail_bytes if rank.zeroer is not None else None
-                nbytes = (
-                    sum(tail_bytes(s, first) for r in trusted for s, _, first in rank.tail_items(r))
-                    if tail_bytes is not None
-                    else 0
-                )
+                nbytes = sum(rank.stale_tail(r).nbytes for r in trusted)
                 claims.count_vouched(nbytes, trusted)
                 records = [r for r in records if r not in trusted]
                 if not records:
@@ -140,7 +135,7 @@ class ReadTailsWorker:
             )
             return
         if landed or by_layer is None:
-            rank.zero([rank.tail_zeroing(r) for r in records])
+            rank.zero([rank.stale_tail(r) for r in records])
             rank.count_tails(sum(rank.has_tail(r) for r in records))
             return
         for r in records:

@@ -1,10 +1,15 @@
 """Launch mechanics of ``zero_kv_slots_kernel``: compile once, launch cheaply.
 
 The kernel is persistent and reads its sizes from the work buffer, so every
-launch on a device has the same arguments but the buffer: one compiled
+launch on a device has the same arguments but the two tables: one compiled
 binary serves all of them, and a CUDA graph of (copy the work buffer in,
 launch) replays any work that fits the graph's buffer for a few µs of host
 time. Larger work goes through pinned staging and a direct launch.
+
+:class:`KernelLauncher` has two ways to launch: :meth:`~KernelLauncher.run`
+zeroes a host work buffer now; :meth:`~KernelLauncher.prepared` makes a
+launch over a work buffer already on the device ready for later (a layer's
+READ tails, launched when the layer lands).
 """
 
 from __future__ import annotations
@@ -12,14 +17,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtail_connector.ops.staging import GraphSlots, PinnedStaging
-from kvtail_connector.ops.zero.plan import Line, fill_line_work, fill_packed_work, line_work
 from kvtail_connector.ops.zero.work_schema import HEADER_WORDS, ITEM_COLS, kernel_columns
 
 # ops must not import vLLM: a plain logger (vLLM's handler sees it when the
@@ -95,10 +99,6 @@ def launch_jit(grid: int, work: torch.Tensor, rows: torch.Tensor) -> None:
     kernel()[(grid,)](work, rows, BLOCK=BLOCK, num_warps=NUM_WARPS, **COLUMNS)
 
 
-def _launch_jit_with(grid: int, work: Any, rows: torch.Tensor) -> None:
-    launch_jit(grid, _as_tensor(work), rows)
-
-
 def constexpr_args() -> list[int]:
     """The kernel's constexpr arguments in signature order (after the two
     tables), as the compiled kernel's launcher takes them: positionally."""
@@ -129,9 +129,9 @@ class _Compiled:
 
     ``JITFunction.__getitem__`` re-derives the specialization key on every
     launch (~10 µs of host time); the work buffer and row table are always
-    fresh 16-byte-aligned allocations, so one binary serves every launch.
-    Falls back to the JIT path when this Triton version's compiled-kernel
-    launcher takes different arguments.
+    16-byte-aligned allocations, so one binary serves every launch. Falls
+    back to the JIT path when this Triton version's compiled-kernel launcher
+    takes different arguments.
     """
 
     def __init__(self, work: torch.Tensor, rows: torch.Tensor) -> None:
@@ -153,28 +153,18 @@ class _Compiled:
     def fast(self) -> bool:
         return self._fast is not None
 
-    def __call__(self, grid: int, work: Any, rows: torch.Tensor) -> None:
-        if self._fast is None:
-            launch_jit(grid, _as_tensor(work), rows)
-            return
-        self._runner(grid)(work, rows, *self._constexprs)
-
     def bound(self, grid: int, work: Any, rows: torch.Tensor) -> Callable[[], None]:
-        """``functools.partial(self, grid, work, rows)``, one call shorter: a
-        launch made ready ahead, for work launched later (per layer)."""
+        """The launch of ``grid`` programs over ``work`` and ``rows``, ready to call."""
         if self._fast is None:
             return functools.partial(launch_jit, grid, _as_tensor(work), rows)
-        return functools.partial(self._runner(grid), work, rows, *self._constexprs)
-
-    def _runner(self, grid: int) -> Any:
         runner = self._runners.get(grid)
         if runner is None:
             runner = self._runners[grid] = self._fast[(grid, 1, 1)]
-        return runner
+        return functools.partial(runner, work, rows, *self._constexprs)
 
 
 class KernelLauncher:
-    """Launches the zeroing kernel over one row table on one device.
+    """Launches the zeroing kernel on one device, over its row table.
 
     Args:
         device: where the caches (and the row table) live.
@@ -192,7 +182,7 @@ class KernelLauncher:
         self._staging = PinnedStaging(device) if device.type == "cuda" else None
         # Recorded behind the latest launch (CUDA): what a fence waits for.
         self.last_done: torch.cuda.Event | None = None
-        self._staged_done: torch.cuda.Event | None = None
+        self._done: torch.cuda.Event | None = None
 
     @property
     def uses_graphs(self) -> bool:
@@ -212,7 +202,7 @@ class KernelLauncher:
                 self._graphs = GraphSlots(
                     self.device,
                     HEADER_WORDS + GRAPH_ITEMS * ITEM_COLS,
-                    lambda work: compiled(self.programs, work, self.rows),
+                    lambda work: compiled.bound(self.programs, work, self.rows)(),
                 )
             except RuntimeError as e:  # capture refused (e.g. another capture running)
                 logger.warning(
@@ -223,92 +213,49 @@ class KernelLauncher:
                 self._use_graphs = False
         torch.cuda.current_stream().synchronize()
 
-    def stage(self, work: np.ndarray) -> torch.Tensor:
-        """The work buffer on the device, ordered on the current stream."""
-        if self._staging is None:
-            return torch.from_numpy(work).to(self.device)
-        return self._staging.to_device(work)
-
-    def launch_staged(self, work: Any, units: int, *, record_event: bool = True) -> None:
-        """Launch over an already staged work buffer of ``units`` work units.
-
-        ``record_event=False`` leaves :attr:`last_done` behind this launch until
-        :meth:`record_done` (a series of launches pays for one event)."""
-        grid = max(1, min(units, self.programs))
-        if self.device.type != "cuda":
-            launch_jit(grid, work, self.rows)
+    def run(self, work: bytes, units: int) -> None:
+        """Zero what ``work`` (a packed work buffer of ``units`` work units)
+        describes: written into a graph slot's buffer and replayed where it
+        fits, else staged and launched; :attr:`last_done` recorded behind."""
+        if self._use_graphs and self._graphs is None:
+            self.warmup()
+        graphs = self._graphs
+        if graphs is not None and len(work) <= graphs.entries * 8:
+            # The slot's buffer keeps older lines past these: the header
+            # counts only these.
+            graphs.next_bytes()[: len(work)] = work
+            self.last_done = graphs.replay()
             return
-        if self._compiled is None:
-            self._compiled = _Compiled(_as_tensor(work), self.rows)
-        self._compiled(grid, work, self.rows)
-        if record_event:
-            self.record_done()
+        self.prepared(self.stage(work), units, self.rows)()
+        self.record_done()
 
-    def bound_staged(self, work: Any, units: int) -> Callable[[], None]:
-        """:meth:`launch_staged` of ``work`` made ready, to be called later
-        (several times if need be) without recording an event: the caller
-        calls :meth:`record_done` after the last launch of a series."""
+    def stage(self, work: bytes) -> torch.Tensor:
+        """The work buffer on the device (a fresh, aligned allocation),
+        ordered on the current stream."""
+        table = np.frombuffer(work, dtype=np.int64)
+        if self._staging is None:
+            return torch.from_numpy(table.copy()).to(self.device)
+        return self._staging.to_device(table)
+
+    def prepared(self, work: Any, units: int, rows: torch.Tensor) -> Callable[[], None]:
+        """A launch over ``units`` work units of ``work``, already on the
+        device (:meth:`stage`, or :func:`work_at` an offset into it), with
+        row table ``rows`` (this launcher's, or a 16-byte-aligned one of the
+        caller's), ready to be called later, several times if need be. It
+        records no event: call :meth:`record_done` after the last launch of
+        a series."""
         grid = max(1, min(units, self.programs))
         if self.device.type != "cuda":
-            return functools.partial(launch_jit, grid, work, self.rows)
+            return functools.partial(launch_jit, grid, work, rows)
         if self._compiled is None:
-            self._compiled = _Compiled(_as_tensor(work), self.rows)
-        return self._compiled.bound(grid, work, self.rows)
-
-    def launch_with(self, units: int) -> Callable[[Any, torch.Tensor], None]:
-        """``f(work, rows)``: a launch over ``units`` work units with a row
-        table of the caller's (each layer its own, all sharing one work
-        buffer), no event recorded (see :meth:`record_done`). ``rows`` must
-        be an allocation of its own (16-byte aligned, as compiled)."""
-        grid = max(1, min(units, self.programs))
-        compiled = self._compiled
-        if self.device.type != "cuda" or compiled is None or not compiled.fast:
-            return functools.partial(_launch_jit_with, grid)
-        runner, constexprs = compiled._runner(grid), compiled._constexprs
-        return lambda work, rows: runner(work, rows, *constexprs)
+            self._compiled = _Compiled(_as_tensor(work), rows)
+        return self._compiled.bound(grid, work, rows)
 
     def record_done(self) -> None:
         """Record :attr:`last_done` behind everything launched so far (CUDA)."""
         if self.device.type != "cuda":
             return
-        if self._staged_done is None:
-            self._staged_done = torch.cuda.Event()
-        self._staged_done.record()
-        self.last_done = self._staged_done
-
-    def run_lines(self, lines: Sequence[Line]) -> None:
-        """Zero ``lines``: written straight into a graph slot's buffer and
-        replayed where they fit, else staged and launched."""
-        if self._use_graphs and self._graphs is None:
-            self.warmup()
-        graphs = self._graphs
-        if graphs is not None and HEADER_WORDS + ITEM_COLS * len(lines) <= graphs.entries:
-            fill_line_work(graphs.next_buffer(), lines)
-            self.last_done = graphs.replay()
-            return
-        work, units = line_work(lines)
-        self.launch_staged(self.stage(work), units)
-
-    def run_packed(self, packed: bytes, n_tail: int, rows: int, chunks: int) -> None:
-        """Zero ``n_tail`` packed tail lines (``plan.fill_packed_work``): written
-        straight into a graph slot's buffer and replayed where they fit, else
-        staged and launched."""
-        if self._use_graphs and self._graphs is None:
-            self.warmup()
-        graphs = self._graphs
-        if graphs is not None and HEADER_WORDS + ITEM_COLS * n_tail <= graphs.entries:
-            fill_packed_work(graphs.next_bytes(), packed, n_tail, rows, chunks)
-            self.last_done = graphs.replay()
-            return
-        work = np.empty(HEADER_WORDS + ITEM_COLS * n_tail, dtype=np.int64)
-        units = fill_packed_work(work.data.cast("B"), packed, n_tail, rows, chunks)
-        self.launch_staged(self.stage(work), units)
-
-    def run(self, work: np.ndarray, units: int) -> None:
-        """Zero what ``work`` describes: a graph replay if it fits, else stage + launch."""
-        if self._use_graphs and self._graphs is None:
-            self.warmup()
-        if self._graphs is not None and work.size <= self._graphs.entries:
-            self.last_done = self._graphs.run(work)
-            return
-        self.launch_staged(self.stage(work), units)
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record()
+        self.last_done = self._done

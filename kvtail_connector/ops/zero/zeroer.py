@@ -1,15 +1,21 @@
 """:class:`KVZeroer`: zero whole blocks and tails of several cache groups at once.
 
-Row tables are derived once from the caches; each :meth:`KVZeroer.zero` call
-turns its items into one work buffer (a header and one line per item) and
-one kernel launch on CUDA, or one vectorized torch pass per group elsewhere.
-The worker's pre-encoded variants of that call live in ``ops/zero/_step_zeroer.py``.
+Row tables are derived once from the caches. :meth:`KVZeroer.zero` turns
+its items into one work buffer (a header and one line per item) and one
+kernel launch on CUDA, or one vectorized torch pass per group elsewhere.
+
+The worker zeroes the same way with its work encoded ahead: an item's line
+packed where the item becomes known (:meth:`KVZeroer.rows_for`,
+:func:`~kvtail_connector.ops.zero.plan.pack_line`), a step's lines joined
+into one launch (:meth:`KVZeroer.zero_packed`), and per-layer launches
+staged before the layers land (:meth:`KVZeroer.stage`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+import functools
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -24,11 +30,39 @@ from kvtail_connector.ops.geometry import (
 )
 from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.zero import launcher, torch_path
-from kvtail_connector.ops.zero.plan import Encoded, encoded_work, row_table, row_unit
-from kvtail_connector.ops.zero.work_schema import ITEM_COLS, ITEM_COLUMN
+from kvtail_connector.ops.zero.launcher import work_at
+from kvtail_connector.ops.zero.plan import (
+    GroupRows,
+    WorkShape,
+    items_work,
+    packed_work,
+    row_span,
+    row_table,
+    same_items_work,
+)
 
 CacheLike = torch.Tensor | RegionCache
 Implementation = Literal["auto", "triton", "torch"]
+
+
+def _rows_of(start: int, rows: list[Row]) -> GroupRows:
+    span = max((row_span(r) for r in rows), default=0)
+    return GroupRows(start, len(rows), -(-span // launcher.BLOCK))
+
+
+def _widest(rows: Sequence[GroupRows]) -> WorkShape:
+    return WorkShape(
+        max((r.rows for r in rows), default=0), max((r.chunks for r in rows), default=0)
+    )
+
+
+class _OwnRows(NamedTuple):
+    """A group's rows as a row table of its own numbers them (tail rows from
+    row 0, then whole-block rows), and the most slots one of its blocks has."""
+
+    tails: GroupRows
+    whole: GroupRows
+    any_slots: int
 
 
 class KVZeroer:
@@ -66,82 +100,69 @@ class KVZeroer:
         self._num_blocks: list[int] = []
         # Per group: rows for tails (one per region and page) and rows for
         # whole blocks (merged spans); both live in one row table.
-        slot_rows: list[list[Row]] = []
-        block_rows: list[list[Row]] = []
-        all_geoms: list[CacheGeometry] = []
+        tail_rows: list[list[Row]] = []
+        whole_rows: list[list[Row]] = []
         for caches, pages in groups:
             pages_per_block = as_int("pages_per_block", pages, minimum=1)
             geoms = describe_caches(caches, pages_per_block)
-            all_geoms.extend(geoms)
             self._geoms.append(geoms)
             self._pages.append(pages_per_block)
             self._num_blocks.append(min((g.num_pages // pages_per_block for g in geoms), default=0))
             # An empty view (a zero-sized H, N or C) has no byte to zero, and its
             # data_ptr may be 0: it gets no rows, so nothing is ever launched for it.
             live = [g for g in geoms if g.tensor.numel()]
-            slot_rows.append(list(dict.fromkeys(r for g in live for r in g.rows(pages_per_block))))
-            block_rows.append(whole_block_rows(live, pages_per_block))
-        self.device = one_device(all_geoms)
+            tail_rows.append(list(dict.fromkeys(r for g in live for r in g.rows(pages_per_block))))
+            whole_rows.append(whole_block_rows(live, pages_per_block))
+        self.device = one_device([g for geoms in self._geoms for g in geoms])
         per_block = [
             [g.slots_per_page * p for g in gs]
             for gs, p in zip(self._geoms, self._pages, strict=True)
         ]
         # A first slot may reach the smallest block; past the largest one,
         # nothing is left to zero in any cache.
-        self._max_first = np.array([min(x, default=0) for x in per_block], dtype=np.int64)
-        self._any_slots = np.array([max(x, default=0) for x in per_block], dtype=np.int64)
-        if implementation == "auto":
-            implementation = "triton" if self.device.type == "cuda" else "torch"
-        if implementation not in ("triton", "torch"):
-            raise ValueError(
-                f"implementation: expected 'auto', 'triton' or 'torch', got {implementation!r}"
-            )
-        if (
-            implementation == "triton"
-            and self.device.type != "cuda"
-            and not launcher.interpreting()
-        ):
-            raise ValueError(
-                "implementation: 'triton' needs CUDA caches, or TRITON_INTERPRET=1 for CPU caches"
-            )
-        self.implementation: Implementation = implementation
-        if not hold_caches and implementation != "triton":
+        self._max_first = [min(x, default=0) for x in per_block]
+        self._any_slots = [max(x, default=0) for x in per_block]
+        self.implementation: Implementation = _implementation(implementation, self.device)
+        if not hold_caches and self.implementation != "triton":
             raise ValueError(
                 "hold_caches: False needs implementation='triton' "
                 "(torch zeroes through the tensors)"
             )
 
-        # Row ranges: index g for group g's slot rows, n_groups + g for its block rows.
-        all_lists = slot_rows + block_rows
-        self._n_groups = len(slot_rows)
-        self._row_count = np.array([len(rows) for rows in all_lists], dtype=np.int64)
-        self._row_start = np.zeros_like(self._row_count)
-        self._row_start[1:] = np.cumsum(self._row_count)[:-1]
+        # The row table: every group's tail rows, then every group's whole-block rows.
+        all_rows = tail_rows + whole_rows
+        starts = np.cumsum([0] + [len(rows) for rows in all_rows]).tolist()
+        n = len(tail_rows)
+        self._tails = [_rows_of(starts[g], tail_rows[g]) for g in range(n)]
+        self._whole = [_rows_of(starts[n + g], whole_rows[g]) for g in range(n)]
+        # One header shape serves any group's lines (see WorkShape).
+        self._tail_shape, self._whole_shape = _widest(self._tails), _widest(self._whole)
+        # The same facts as arrays, for zero()'s numpy encoding: index g for
+        # group g's tail rows, n + g for its whole-block rows.
+        self._row_start = np.array(starts[:-1], dtype=np.int64)
+        self._row_count = np.array([len(rows) for rows in all_rows], dtype=np.int64)
         self._max_span = np.array(
-            [
-                max((r.n_slots * r.run // row_unit(r) for r in rows), default=0)
-                for rows in all_lists
-            ],
-            dtype=np.int64,
+            [max((row_span(r) for r in rows), default=0) for rows in all_rows], dtype=np.int64
         )
-        self.num_rows = sum(len(rows) for rows in slot_rows)
-        # The same facts as Python ints, for line() (no numpy per item).
-        self._line_facts = [
-            (int(start), int(count), -(-int(span) // launcher.BLOCK))
-            for start, count, span in zip(
-                self._row_start, self._row_count, self._max_span, strict=True
-            )
-        ]
-        self._any_slots_list = [int(x) for x in self._any_slots]
+        self.num_rows = sum(len(rows) for rows in tail_rows)
         self._launcher: launcher.KernelLauncher | None = None
         self._torch: list[torch_path.GroupZeroing] = []
+        # Per group, its rows in a table of its own, for stage(); the tables
+        # are built on first use.
+        self._own_rows = [
+            _OwnRows(tails._replace(start=0), whole._replace(start=tails.rows), any_slots)
+            for tails, whole, any_slots in zip(
+                self._tails, self._whole, self._any_slots, strict=True
+            )
+        ]
+        self._own_tables: dict[int, torch.Tensor] = {}
         if self.implementation == "torch":
             self._torch = [
                 torch_path.GroupZeroing(geoms, pages)
                 for geoms, pages in zip(self._geoms, self._pages, strict=True)
             ]
-        if self.implementation == "triton":
-            table = torch.from_numpy(row_table([r for rows in all_lists for r in rows]))
+        else:
+            table = torch.from_numpy(row_table([r for rows in all_rows for r in rows]))
             self._launcher = launcher.KernelLauncher(
                 self.device, table.to(self.device), use_graphs=use_graphs
             )
@@ -159,7 +180,7 @@ class KVZeroer:
 
     def slots_per_block(self, group: int) -> int:
         """``P * N`` of the group (its smallest cache's, if they differ)."""
-        return int(self._max_first[group])
+        return self._max_first[group]
 
     @property
     def last_launch_done(self) -> torch.cuda.Event | None:
@@ -184,7 +205,7 @@ class KVZeroer:
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{name}: block id {int(blocks[i])} out of range [0, {int(nb[i])})")
-        limit = self._max_first[groups]
+        limit = np.asarray(self._max_first, dtype=np.int64)[groups]
         bad = (firsts < 0) | (firsts > limit)
         if bad.any():
             i = int(np.argmax(bad))
@@ -193,37 +214,7 @@ class KVZeroer:
                 f"(pages_per_block * slots per page)"
             )
 
-    # ----------------------------------------------------------------- launch
-
-    def _live(self, items: np.ndarray, validate: bool) -> np.ndarray:
-        items = np.asarray(items, dtype=np.int64).reshape(-1, 3)
-        if validate:
-            self.check_items(items)
-        if items.shape[0] == 0:
-            return items
-        groups = items[:, 0]
-        live = (items[:, 2] < self._any_slots[groups]) & (self._row_count[groups] > 0)
-        return items if live.all() else items[live]
-
-    def _encode(self, items: np.ndarray, *, validate: bool) -> Encoded:
-        """Items as kernel work lines (numpy, all at once)."""
-        live = self._live(items, validate)
-        whole = live[:, 2] == 0
-        parts = []
-        for kind, sel in ((0, whole), (1, ~whole)):
-            chosen = live[sel]
-            slot = chosen[:, 0] + (self._n_groups if kind == 0 else 0)
-            lines = np.empty((chosen.shape[0], ITEM_COLS), dtype=np.int64)
-            lines[:, ITEM_COLUMN["block"]] = chosen[:, 1]
-            lines[:, ITEM_COLUMN["first_slot"]] = chosen[:, 2]
-            lines[:, ITEM_COLUMN["first_row"]] = self._row_start[slot]
-            lines[:, ITEM_COLUMN["row_count"]] = self._row_count[slot]
-            rows = int(self._row_count[slot].max()) if len(lines) else 0
-            # Read at call time: benchmarks/kernel_variants.py varies BLOCK.
-            chunks = -(-int(self._max_span[slot].max()) // launcher.BLOCK) if len(lines) else 0
-            parts.append((lines, rows, chunks))
-        (w, w_rows, w_chunks), (t, t_rows, t_chunks) = parts
-        return Encoded(live, w, t, w_rows, w_chunks, t_rows, t_chunks)
+    # ----------------------------------------------------------------- zero
 
     def zero(self, items: np.ndarray, *, validate: bool = True) -> int:
         """Zero slots ``[first, P*N)`` of each item's block in its group's caches.
@@ -238,30 +229,146 @@ class KVZeroer:
         """
         if len(items) == 0:
             return 0  # launch nothing, and skip the numpy work too
-        if self._launcher is None:
-            live = self._live(items, validate)
-            self._zero_torch(live)
-            return int(live.shape[0])
-        encoded = self._encode(items, validate=validate)
-        if encoded.num_items == 0:
+        live = self._live(items, validate)
+        if not live.shape[0]:
             return 0
-        self._launcher.run(*encoded_work(encoded))
-        return encoded.num_items
+        if self._launcher is None:
+            self._zero_torch(live)
+        else:
+            work, units = items_work(
+                live,
+                self._row_start,
+                self._row_count,
+                self._max_span,
+                self.num_groups,
+                launcher.BLOCK,  # read at call time: benchmarks/kernel_variants.py varies it
+            )
+            self._launcher.run(work, units)
+        return int(live.shape[0])
+
+    def _live(self, items: np.ndarray, validate: bool) -> np.ndarray:
+        """The items that zero some byte."""
+        items = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+        if validate:
+            self.check_items(items)
+        if items.shape[0] == 0:
+            return items
+        groups = items[:, 0]
+        any_slots = np.asarray(self._any_slots, dtype=np.int64)[groups]
+        live = (items[:, 2] < any_slots) & (self._row_count[groups] > 0)
+        return items if live.all() else items[live]
 
     def _zero_torch(self, items: np.ndarray) -> None:
         """The torch path for live ``(group, block, first)`` items."""
-        if not items.shape[0]:
-            return
         groups = items[:, 0]
-        first_group = int(groups[0])
-        if (groups == first_group).all():  # the usual case: one group per call
-            self._torch[first_group].zero(items[:, 1], items[:, 2])
-            return
-        for g in np.unique(groups):
+        for g in np.unique(groups).tolist():
             sel = items[groups == g]
-            self._torch[int(g)].zero(sel[:, 1], sel[:, 2])
+            self._torch[g].zero(sel[:, 1], sel[:, 2])
 
     def warmup(self) -> None:
         """Compile the kernel (and capture its graphs), touching no cache byte."""
         if self._launcher is not None:
             self._launcher.warmup()
+
+    # ------------------------------------------ work encoded ahead (the worker)
+
+    def rows_for(self, group: int, first: int) -> GroupRows | None:
+        """Where the rows of an item of ``group`` zeroing from slot ``first``
+        lie (any block: :func:`~kvtail_connector.ops.zero.plan.pack_line`
+        packs its line); None where it zeroes nothing."""
+        if first >= self._any_slots[group]:
+            return None
+        rows = (self._whole if first == 0 else self._tails)[group]
+        return rows if rows.rows else None
+
+    @property
+    def launches_packed(self) -> bool:
+        """:meth:`zero_packed` can launch (the Triton path)."""
+        return self._launcher is not None
+
+    def zero_packed(self, whole: bytes, tails: bytes) -> None:
+        """Zero the items of packed lines (``pack_line`` with :meth:`rows_for`
+        of this zeroer), whole blocks and tails apart, in one launch: a
+        graph replay where they fit. The header states the widest shapes of
+        any group, so lines need no per-call maxima. Needs
+        :attr:`launches_packed`."""
+        assert self._launcher is not None, "packed work exists on the Triton path only"
+        if whole or tails:
+            self._launcher.run(*packed_work(whole, tails, self._whole_shape, self._tail_shape))
+
+    def stage(
+        self, groups: Sequence[int], blocks_firsts: Sequence[tuple[int, int]]
+    ) -> list[Callable[[], None] | None]:
+        """Per group of ``groups``, a launch zeroing the ``(block, first slot)``
+        items in that group, made ready now (None where it zeroes nothing):
+        on Triton, groups of one row shape (the usual case: identical layers)
+        share one work buffer, put on the device with one copy for all, each
+        launch reading it with the group's own row table, so that a launch
+        only enqueues the kernel (graph-capturable on CUDA). The launches
+        record no event: call :meth:`record_done` after the last."""
+        kernel_launcher = self._launcher
+        if kernel_launcher is None:
+            return [self._torch_launch(g, blocks_firsts) for g in groups]
+        # Per row shape (the usual case: one): its work buffer, units and
+        # offset in the one staged copy.
+        buffers: dict[_OwnRows, tuple[bytes, int, int]] = {}
+        offset = 0
+        for own in dict.fromkeys(self._own_rows[g] for g in groups):
+            work, units = same_items_work(blocks_firsts, own.tails, own.whole, own.any_slots)
+            if units:
+                # Each buffer starts 32-byte aligned (HEADER_WORDS + k * ITEM_COLS
+                # int64), as the compiled kernel assumes of its work pointer.
+                buffers[own] = (work, units, offset)
+                offset += len(work) // 8
+        if not buffers:
+            return [None] * len(groups)
+        base = kernel_launcher.stage(b"".join(work for work, _, _ in buffers.values()))
+        launches: list[Callable[[], None] | None] = []
+        for g in groups:
+            found = buffers.get(self._own_rows[g])
+            if found is None:
+                launches.append(None)
+                continue
+            _, units, at = found
+            launches.append(kernel_launcher.prepared(work_at(base, at), units, self._own_table(g)))
+        return launches
+
+    def _own_table(self, group: int) -> torch.Tensor:
+        """``group``'s tail rows, then its whole-block rows: a fresh
+        allocation (16-byte aligned, as the compiled kernel assumes)."""
+        table = self._own_tables.get(group)
+        if table is None:
+            assert self._launcher is not None
+            rows = self._launcher.rows
+            tails, whole = self._tails[group], self._whole[group]
+            table = self._own_tables[group] = torch.cat(
+                [
+                    rows[tails.start : tails.start + tails.rows],
+                    rows[whole.start : whole.start + whole.rows],
+                ]
+            )
+        return table
+
+    def _torch_launch(
+        self, group: int, blocks_firsts: Sequence[tuple[int, int]]
+    ) -> Callable[[], None] | None:
+        items = np.array([(group, b, f) for b, f in blocks_firsts], dtype=np.int64)
+        live = self._live(items, validate=False)
+        return functools.partial(self._zero_torch, live) if live.shape[0] else None
+
+    def record_done(self) -> None:
+        """Record :attr:`last_launch_done` behind every launch so far (CUDA)."""
+        if self._launcher is not None:
+            self._launcher.record_done()
+
+
+def _implementation(requested: str, device: torch.device) -> Implementation:
+    if requested == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if requested not in ("triton", "torch"):
+        raise ValueError(f"implementation: expected 'auto', 'triton' or 'torch', got {requested!r}")
+    if requested == "triton" and device.type != "cuda" and not launcher.interpreting():
+        raise ValueError(
+            "implementation: 'triton' needs CUDA caches, or TRITON_INTERPRET=1 for CPU caches"
+        )
+    return requested  # type: ignore[return-value]
