@@ -19,7 +19,8 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
     loads, then READ tails (:meth:`TailWorker.reads_started`) after it.
 ``wait_for_layer_load`` / ``clear_connector_metadata``
     READ tails per layer (0.32), then what is left after the forward.
-``get_transfer_results`` (:meth:`TailWorker.transfer_results`)
+``get_transfer_results`` (:meth:`TailWorker.transfer_results`, in
+:mod:`~kvtail_connector.completion`)
     first a pass that never answered (it and its fallback failed) is settled;
     consumer tails note aborted loads; for the loads completing: load errors
     (invalid blocks fetched and settled), consumer tails (aborted ones
@@ -41,14 +42,15 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker, Pending
+from kvtail_connector.completion import CompletionPasses
+from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker
 from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
 from kvtail_connector.features.kv_verification.rank_states import state_sets
 from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
 from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.read_tails.worker import ReadTailsWorker
-from kvtail_connector.features.zeroing import RankCaches, RankPlacement, StaleSlots
+from kvtail_connector.features.zeroing import RankCaches, RankPlacement
 from kvtail_connector.kvgroups import GroupInfo
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
@@ -106,8 +108,6 @@ class TailWorker:
             groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
         self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
-        # Clean completions may take the packed path (the probe reads items).
-        self._bulk = policy.zeroes_tails and not policy.probes
         self._errors = LoadErrorsWorker(self._rank, self._tails.in_flight)
         self._claims = (
             ClaimsWorker(self._rank) if policy.vouches_for_tails or policy.checks_claims else None
@@ -126,6 +126,9 @@ class TailWorker:
             VerificationWorker(heads or HeadPlacement(), verifies_loads=policy.verifies_loads)
             if policy.digests_prompts or policy.verifies_loads
             else None
+        )
+        self._completions = CompletionPasses(
+            self._rank, policy, self._tails, self._errors, self._claims, self._verify
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -286,140 +289,14 @@ class TailWorker:
     def transfer_results(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str], inner: Any
     ) -> KVConnectorTransferResults:
-        """The runner's ``get_transfer_results``: the inner connector's
-        ``results``, after zeroing what completed, with completions held back
-        while their zeroing has not executed (``holds_completions``) and,
-        with ``verify_kv``, while their digest is not on the host.
-
-        Every completion reaches vLLM exactly once, whatever failed before:
-        a pass that raised is answered by :meth:`contain_transfer_results`,
-        and one whose fallback raised too by the facade
-        (:func:`every_completion_failed`), which this pass settles first
-        (:meth:`_settle_unanswered`); completions owed since then are
-        reported failed here."""
-        errors = self._errors
-        if errors.unanswered is not None:
-            self._settle_unanswered()
-        verify = self._verify
-        if not (
-            results.finished_recving or finished_req_ids or self._tails.num_held or errors.owes
-        ) and (verify is None or verify.idle):
-            # The usual pass: nothing completed or finished, nothing held.
-            return results
-        errors.begin(results, finished_req_ids)
-        self._tails.finished(finished_req_ids)
-        zeroed: set[str] = set()
-        if results.finished_recving:
-            zeroed = self.on_transfer_results(
-                results.finished_recving, results.failed_recving, inner
-            )
-        results = self._tails.hold(results, zeroed)
-        if verify is not None:
-            results = verify.hold(results)
-        results = errors.report_failing(results, finished_req_ids)
-        # Returned to vLLM: a later failed pass need not report these again
-        # (until here, contain_transfer_results does).
-        self._answered()
-        return results
-
-    def _answered(self) -> None:
-        """The answer of the pass in progress leaves this worker: what its
-        holds released, and what was owed, has reached vLLM."""
-        self._tails.reported()
-        if self._verify is not None:
-            self._verify.reported()
-        self._errors.answered()
+        """The runner's ``get_transfer_results`` (see :meth:`CompletionPasses.answer`)."""
+        return self._completions.answer(results, finished_req_ids, inner)
 
     def on_transfer_results(
         self, finished_recving: Iterable[str], failed_recving: Iterable[str], inner: Any
     ) -> set[str]:
-        """Zero the tails of completed loads (and failed loads' blocks) in one
-        launch. Returns the requests it zeroed for where completions are held
-        (``holds_completions``); otherwise what it returns is not read and may
-        be empty."""
-        tails, errors, rank = self._tails, self._errors, self._rank
-        if not tails.loading:
-            return set()
-        errors.fetch(inner)
-        done = tails.completed(finished_recving)
-        if not done:
-            return set()
-        packed = [pending.packed for pending in done if pending.packed is not None]
-        if (
-            len(packed) < len(done)
-            or failed_recving
-            or errors.has_invalid
-            or tails.any_abandoned
-            or not self._bulk
-            or not rank.launches_packed
-        ):
-            return self._complete_each(done, set(failed_recving))
-        # The usual step: every load completed clean, with nothing but its
-        # tail to zero, packed when it arrived: what _complete_each does for
-        # such loads, in a few passes over the step's loads and one launch
-        # (benchmarks/RESULTS.md, "Worker side on the GPU": completion of 64
-        # loads against a bare launch).
-        rank.zero_packed_tails(b"".join(packed), sum([pending.nbytes for pending in done]))
-        # Counted once the launch returned: a failed one zeroed nothing.
-        rank.count_tails(sum([pending.has_tail for pending in done]))
-        if not tails.holds:
-            return set()
-        return {pending.record.req_id for pending in done if pending.packed}
-
-    def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
-        """Completed loads one by one: aborted ones dropped; with the KV cache
-        released, reported failed; failed or invalid ones' blocks zeroed (where
-        vLLM does not); digests launched; vouched tails checked; every tail
-        zeroed in one launch. Returns the requests it zeroed for."""
-        errors, rank, policy, tails = self._errors, self._rank, self._policy, self._tails
-        batches: list[StaleSlots] = []
-        vouched: list[StaleSlots] = []
-        vouched_records: list[LoadRecord] = []
-        checks: list[LoadRecord] = []  # verify_kv: loads to digest
-        num_tails = 0  # requests
-        for pending in done:
-            record = pending.record
-            req_id = record.req_id
-            invalid = errors.settle(record)
-            if tails.abandoned(req_id):
-                continue
-            if rank.released:
-                # The KV memory is released (sleep mode): nothing can be
-                # zeroed or verified, and what the load wrote does not survive
-                # wake-up (vLLM discards the KV cache; only weights are kept).
-                errors.fail((req_id,))
-                logger.warning(
-                    "KVTailConnector: request %s: KV load completed while the KV cache was "
-                    "released (sleep mode): reported failed",
-                    req_id,
-                )
-                continue
-            if req_id in failed or invalid is not None:
-                # Failures are counted once per request by the scheduler side.
-                if policy.zeroes_failed_loads:
-                    batches.append(errors.stale_blocks(record, invalid))
-                continue
-            if record.expected is not None:
-                checks.append(record)
-            if policy.zeroes_tails:
-                batch = rank.stale_tail(record)
-                if record.vouched and self._claims is not None:
-                    vouched.append(batch)
-                    vouched_records.append(record)
-                    continue
-                if batch.items:
-                    batches.append(batch)
-                num_tails += pending.has_tail
-        if checks and self._verify is not None:
-            self._verify.check(checks)
-        if vouched and self._claims is not None:
-            false, false_tails = self._claims.check_vouched(vouched, vouched_records)
-            batches += false
-            num_tails += false_tails
-        rank.zero(batches)
-        # Counted once the launch returned: a failed one zeroed nothing.
-        rank.count_tails(num_tails)
-        return {batch.owner for batch in batches if batch.items}
+        """Zero what completed (see :meth:`CompletionPasses.zero_completed`)."""
+        return self._completions.zero_completed(finished_recving, failed_recving, inner)
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook
@@ -469,67 +346,8 @@ class TailWorker:
     def contain_transfer_results(
         self, results: KVConnectorTransferResults, finished_req_ids: set[str]
     ) -> KVConnectorTransferResults:
-        """The fallback of :meth:`transfer_results` after an internal error:
-        every completion of this pass, and every completion held back, is
-        reported failed (nothing proves their tails zeroed or their digests
-        compared), after the zeroing launched so far has executed (vLLM may
-        hand the blocks to a new owner at once). So is every completion a
-        hold released in this pass before it failed: nothing else would ever
-        report it, and vLLM would wait for it forever (the holds keep them
-        until told they were reported). State for them is dropped.
-
-        Where this fails too, the facade reports this pass's own completions
-        failed (:func:`every_completion_failed`); what a hold had given up by
-        then is owed, and the next pass settles the rest."""
-        errors = self._errors
-        unanswered = errors.unanswered
-        if unanswered is not None and unanswered.results is not results:
-            # transfer_results failed while settling an earlier pass.
-            self._settle_unanswered()
-        errors.begin(results, finished_req_ids)
-        done = set(results.finished_recving)
-        self._take_holds(done)
-        done |= errors.owed
-        self._tails.drop(done)
-        errors.forget(done, finished_req_ids)
-        self._answered()
-        return KVConnectorTransferResults(
-            finished_sending=results.finished_sending,
-            finished_recving=done,
-            failed_recving=set(results.failed_recving) | done,
-        )
-
-    def _settle_unanswered(self) -> None:
-        """The last pass never answered: it failed, its fallback failed too,
-        and the facade reported exactly that pass's completions failed
-        (:func:`every_completion_failed`). Those are forgotten everywhere, so
-        that no hold releases one again (vLLM asserts on a completion it has
-        seen, and at TP > 1 miscounts the ranks'); every other completion a
-        hold keeps, or released in that pass, is owed: reported failed by the
-        next answer, as that pass's fallback would have."""
-        errors = self._errors
-        unanswered = errors.unanswered
-        assert unanswered is not None
-        reported = set(unanswered.results.finished_recving)
-        self._tails.finished(unanswered.finished_req_ids)
-        self._take_holds(reported)
-        forgotten = reported | errors.owed
-        self._tails.drop(forgotten)
-        errors.forget(forgotten, unanswered.finished_req_ids)
-        errors.settled()
-
-    def _take_holds(self, reported: set[str]) -> None:
-        """Every completion a hold keeps, or released without it reaching
-        vLLM, taken out once the zeroing launched so far has executed, and
-        owed but those in ``reported`` (answered already: forgotten). Moved
-        hold by hold: where a later hold raises, what an earlier one gave up
-        is owed already, and nothing is taken before the wait returned."""
-        event = self._rank.last_zeroing
-        if event is not None:
-            event.synchronize()
-        self._errors.owe(self._tails.drain() - reported)
-        if self._verify is not None:
-            self._errors.owe(self._verify.drop_held() - reported)
+        """``transfer_results`` failed (see :meth:`CompletionPasses.contain`)."""
+        return self._completions.contain(results, finished_req_ids)
 
     def _drop_producer_work(self) -> None:
         if self._claims is not None:

@@ -12,6 +12,7 @@ launches failed, :mod:`~kvtail_connector.features.read_tails.on_reference`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +27,14 @@ from kvtail_connector.ops import reference_zero_kv_blocks
 from kvtail_connector.probe import probe_items
 
 logger = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Found:
+    """What the probe found in one request's READ tails, over the layers."""
+
+    nonzero: int = 0  # bytes
+    nonfinite: int = 0  # values
 
 
 class ReadTailsWorker:
@@ -54,7 +63,7 @@ class ReadTailsWorker:
         self._read_loads: list[LoadRecord] = []
         self._by_layer: ReadTailsByLayer | None = None
         self._released: ReadTailsByLayer | None = None
-        self._layer_probe: dict[str, list[int]] = {}  # per request, summed over layers
+        self._layer_probe: dict[str, _Found] = {}  # per request, summed over layers
         self._layer_bytes = 0  # launched layer by layer, counted once the layers are done
         self._layers_launched = False  # this step: by_layer's event is the latest zeroing
         # Layers' work taken from by_layer and not yet launched (the one being
@@ -189,9 +198,9 @@ class ReadTailsWorker:
                 work.armed.owners,
             )
             for req_id, (nonzero, nonfinite) in found.items():
-                counts = self._layer_probe.setdefault(req_id, [0, 0])
-                counts[0] += nonzero
-                counts[1] += nonfinite
+                summed = self._layer_probe.setdefault(req_id, _Found())
+                summed.nonzero += nonzero
+                summed.nonfinite += nonfinite
         nbytes = by_layer.nbytes(work)
         by_layer.zero(work)
         del self._taken[0]
@@ -215,7 +224,7 @@ class ReadTailsWorker:
             self._layer_bytes = 0
         if self._layer_probe:
             summed, self._layer_probe = self._layer_probe, {}
-            rank.report_found({req: (c[0], c[1]) for req, c in summed.items()})
+            rank.report_found({req: (f.nonzero, f.nonfinite) for req, f in summed.items()})
 
     # ------------------------------------------------- contained failures
 
