@@ -117,6 +117,21 @@ class ClaimsWorker:
         self._false_vouches.extend(false)
         return [b for b in lined if b.owner in false], false_tails
 
+    def skip_vouched_reads(self, records: list[LoadRecord], *, trusted: bool) -> list[LoadRecord]:
+        """The READ loads of ``records`` still to zero. Where claims are
+        ``trusted``, vouched ones are not zeroed (READs copy the producer's
+        blocks, zeroed at the source), only their bytes counted (the probe's
+        canary covers async loads only); otherwise their claims count as
+        unused."""
+        vouched = [r for r in records if r.vouched]
+        if not vouched:
+            return records
+        if not trusted:
+            self.count_unused(vouched)
+            return records
+        self.count_vouched(sum(self._rank.stale_tail(r).nbytes for r in vouched), vouched)
+        return [r for r in records if not r.vouched]
+
     def count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:
         rank = self._rank
         rank.stats.add("vouched_tail_bytes", nbytes)

@@ -123,19 +123,10 @@ class ReadTailsWorker:
         # READs not all landed): where one launch zeroes every READ tail now,
         # skipping saves a share of it, and the tail is zeroed (claim unused).
         per_layer = not landed and self._by_layer is not None
-        claims = self._claims
-        if claims is not None:
-            trusted = [r for r in records if r.vouched and (per_layer or self._trust_all)]
-            claims.count_unused([r for r in records if r.vouched and r not in trusted])
-            if trusted:
-                # READs copy the producer's blocks, zeroed at the source: no
-                # per-layer launch and no work lines, only the bytes left alone
-                # (the probe's canary covers async loads only).
-                nbytes = sum(rank.stale_tail(r).nbytes for r in trusted)
-                claims.count_vouched(nbytes, trusted)
-                records = [r for r in records if r not in trusted]
-                if not records:
-                    return
+        if self._claims is not None:
+            records = self._claims.skip_vouched_reads(records, trusted=per_layer or self._trust_all)
+            if not records:
+                return
         by_layer = self._by_layer
         if rank.released:
             logger.warning(
