@@ -109,9 +109,10 @@ def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
 # ====================================================================== configs
 
 
-def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any]:
-    """(wrapper, bare) ``VllmConfig`` s, identical but for the connector.
-    ``floor``: the do-nothing forwarder in the wrapper's place."""
+def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any, Any]:
+    """(wrapper, bare, floor) ``VllmConfig`` s, identical but for the connector
+    (floor: the do-nothing forwarder). ``floor``: the forwarder in the
+    wrapper's place too."""
     from kvtail_connector.inner import wrapper_fields
     from tests.helpers import async_double
     from tests.helpers.vllm_factories import make_vllm_config
@@ -124,14 +125,15 @@ def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any]:
         "max_num_seqs": 1024,
         "max_model_len": 32768,
     }
-    if floor:
-        from benchmarks import forwarding_double
+    from benchmarks import forwarding_double
 
-        wrapper = make_vllm_config(
-            kv_connector=forwarding_double.CONNECTOR_NAME,
-            kv_connector_module_path=forwarding_double.MODULE_PATH,
-            **common,
-        )
+    forwarder = make_vllm_config(
+        kv_connector=forwarding_double.CONNECTOR_NAME,
+        kv_connector_module_path=forwarding_double.MODULE_PATH,
+        **common,
+    )
+    if floor:
+        wrapper = forwarder
     else:
         wrapper = make_vllm_config(
             **wrapper_fields(
@@ -148,7 +150,7 @@ def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any]:
         kv_connector_module_path=async_double.MODULE_PATH,
         **common,
     )
-    return wrapper, bare
+    return wrapper, bare, forwarder
 
 
 def _layer_names(n: int) -> tuple[str, ...]:
@@ -343,11 +345,15 @@ def bench_scheduler(steps: int, hook_steps: int, *, floor: bool = False) -> dict
     total_steps = 2 * (steps + hook_steps) + 40
     per_decode = -(-(DECODE_PROMPT + total_steps + 8) // BLOCK)
     num_blocks = N_DECODE * per_decode + 8 * N_NEW * 14 + 256
-    cfg_w, cfg_b = _configs(num_blocks, floor=floor)
+    cfg_w, cfg_b, cfg_f = _configs(num_blocks, floor=floor)
     sides = [
         _Side("wrapper", cfg_w, num_blocks, caches=True),
         _Side("bare", cfg_b, num_blocks, caches=False),
     ]
+    if not floor:
+        # The do-nothing forwarder in the same steps: the floor the target's
+        # "per async load over the floor" is measured against.
+        sides.append(_Side("floor", cfg_f, num_blocks, caches=False))
     for s in sides:
         s.add(_decode_requests(s.scheduler.hash_block_size))
     step = 0
@@ -411,6 +417,14 @@ def bench_scheduler(steps: int, hook_steps: int, *, floor: bool = False) -> dict
                 "hook_steps": hook_steps,
                 "per_hook": per_hook,
             }
+            if not floor:
+                fdiff = np.asarray(hooks["wrapper"]["hooks"], dtype=np.int64) - np.asarray(
+                    hooks["floor"]["hooks"], dtype=np.int64
+                )
+                result[regime]["hooks_over_floor_paired_us"] = float(np.median(fdiff) / 1e3)
+                if inflow:
+                    # Each step of this regime allocates N_NEW async loads.
+                    result[regime]["per_load_over_floor_us"] = float(np.median(fdiff) / 1e3 / N_NEW)
         if not floor:
             result["load_length"] = _bench_load_length(
                 sides[0].scheduler.connector, sides[1].scheduler.connector
@@ -764,6 +778,14 @@ def print_report(res: dict[str, Any]) -> None:
                 f"| {r['hooks_wrapper']['median_us'] / r['hooks_bare']['median_us']:.2f} "
                 f"| {_fmt(r['hooks_added_us'])} | {_fmt(r['hooks_paired_diff_median_us'])} |"
             )
+        for regime, r in _regimes(sched):
+            if "per_load_over_floor_us" in r:
+                print(
+                    f"\n**{regime}: the wrapper's hooks over the forwarding floor's, same steps: "
+                    f"{_fmt(r['hooks_over_floor_paired_us'])} µs per step, "
+                    f"{_fmt(r['per_load_over_floor_us'])} µs per async load** "
+                    f"({N_NEW} per step; target ≤ 12 µs)"
+                )
         for regime, r in _regimes(sched):
             print(f"\nPer hook, {regime} (median over steps of µs per step, all its calls):\n")
             print("| hook | calls/step | bare µs | wrapper µs | added µs | paired Δ µs |")

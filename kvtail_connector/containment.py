@@ -67,8 +67,10 @@ def call_inner(method: Callable[..., R], *args: Any) -> R:
 
 def mark_inner(exc: BaseException) -> None:
     """Tag ``exc`` as the inner connector's (see :func:`call_inner`)."""
-    with contextlib.suppress(Exception):  # an exception type refusing attributes stays ours
-        setattr(exc, _INNER, True)
+    # object.__setattr__: an exception type that refuses attributes (a frozen
+    # dataclass) is tagged too; only one without a __dict__ stays untagged.
+    with contextlib.suppress(Exception):
+        object.__setattr__(exc, _INNER, True)
 
 
 def raised_by_inner(exc: BaseException) -> bool:

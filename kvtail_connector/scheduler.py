@@ -322,9 +322,10 @@ class TailScheduler:
                 len(read_loads),
                 len(producer),
             )
-        # Shipped: nothing below raises. Until here a failure leaves every
-        # load pending for contain_meta, and vLLM's zero list untouched (it
-        # then zeroes the READ destinations as without the wrapper).
+        # Shipped: nothing below may raise (dict writes only). Until here a
+        # failure leaves every load pending for contain_meta, and vLLM's zero
+        # list untouched (it then zeroes the READ destinations as without
+        # the wrapper).
         for load in self._tails.take():
             self._errors.started(load.req_id, load.written)
         self._errors.take_failing()
@@ -405,8 +406,12 @@ class TailScheduler:
         step's pending async loads are reported failed at completion, its
         READ and producer records are not shipped (no claim is made)."""
         for load in self._tails.take():
-            # Now among the failing, its blocks in flight (invalid ones match).
-            self._errors.lost(load.req_id, load.written)
+            if load.record is None:
+                # Nothing for the workers to zero or check: in flight as shipped.
+                self._errors.started(load.req_id, load.written)
+            else:
+                # Now among the failing, its blocks in flight (invalid ones match).
+                self._errors.lost(load.req_id, load.written)
         if self._reads is not None:
             self._reads.clear()
         return KVTailMetadata(inner=inner_meta, failing=self._errors.take_failing())

@@ -87,10 +87,12 @@ class LoadRecords:
     def loaded_groups(self, request: Any) -> tuple[int, ...]:
         """The inner connector's ``get_loaded_kv_cache_group_ids``, as a tuple
         (read twice: the ids written, then the record)."""
-        groups = call_inner(self._inner.get_loaded_kv_cache_group_ids, request)
-        # Outside call_inner: an answer that is no iterable fails this load
-        # alone (contained), as the wrapper's own error.
-        return groups if type(groups) is tuple else tuple(groups)
+        groups = call_inner(lambda: self._inner.get_loaded_kv_cache_group_ids(request))
+        if type(groups) is tuple:
+            return groups
+        # An answer that is no iterable fails this load alone (the wrapper's
+        # own error, contained); what the inner's iterable raises is its own.
+        return call_inner(tuple, iter(groups))
 
     def written(
         self, blocks: Any, loaded_groups: tuple[int, ...], local: int, loaded: int

@@ -478,6 +478,54 @@ def test_loaded_groups_as_a_one_shot_iterator_still_record_the_tail(asked_by, mo
     assert h.stats["tails_zeroed"] == 1 and h.stats["failed_loads"] == 0
 
 
+def test_an_error_inside_the_inner_groups_iterable_propagates_when_the_wrapper_asks(
+    monkeypatch,
+):
+    # vLLM's last question was about another request: the wrapper asks the
+    # inner connector itself; an error its generator raises while iterated is
+    # the inner's (propagated, as without the wrapper), not a contained one.
+    h = Harness("always")
+    facade = h.scheduler.connector
+
+    def groups(_: Any) -> Any:
+        yield 0
+        raise _InnerFault("the inner connector's own")
+
+    monkeypatch.setattr(facade.inner, "get_loaded_kv_cache_group_ids", groups)
+    monkeypatch.setattr(facade, "get_loaded_kv_cache_group_ids", lambda r: (0,))
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    with pytest.raises(_InnerFault):
+        h.step()
+    assert h.stats["internal_errors"] == 0
+
+
+def test_a_failed_metadata_fails_only_the_loads_it_had_records_for(monkeypatch):
+    # zero_tails "off": the wrapper records no tail, so a failure while the
+    # step's metadata is built has no record to lose; the load completes
+    # normally instead of failing (kv_load_failure_policy would end it).
+    h = Harness("off")
+    from kvtail_connector import scheduler as scheduler_module
+
+    real = scheduler_module.KVTailMetadata
+    calls = []
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "KVTailMetadata", fails_once)
+    h.add("r1", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.step()
+    assert h.stats["internal_errors"] == 1
+    assert list(h.metas[-1].failing) == []
+    assert h.scheduler.connector._scheduler._errors.in_flight == {"r1"}
+    h.land("r1", 0, 0, 70)
+    h.finish()
+    assert h.stats["failed_loads"] == 0
+
+
 class _MembershipOnly:
     """A group-id answer vLLM accepts (it only tests ``in``), not iterable."""
 

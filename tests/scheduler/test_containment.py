@@ -11,6 +11,7 @@ still propagate unchanged, as without the wrapper.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from typing import Any
@@ -81,7 +82,7 @@ def _assert_clean_load_zeroed(h: Harness, req_id: str) -> None:
 @pytest.mark.parametrize(
     ("side", "method"),
     [
-        ("worker", "on_transfer_results"),  # get_transfer_results, at completion
+        ("worker", "_completions.zero_completed"),  # get_transfer_results, at completion
         ("worker", "bind"),  # bind_connector_metadata: the record is lost
         ("scheduler", "_records.from_written"),  # the record, built with the metadata
         ("scheduler", "build_connector_meta"),  # the step's metadata
@@ -113,7 +114,7 @@ def test_an_internal_error_fails_the_load_and_the_engine_goes_on(side, method, c
 def test_the_traceback_is_logged_once_per_hook(caplog):
     h = Harness("always")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h.worker._worker, "on_transfer_results", _raise)
+        patch.setattr(h.worker._worker._completions, "zero_completed", _raise)
         _load(h, "r1")
         _load(h, "r2")  # both complete in the same later steps
         h.step()
@@ -130,7 +131,7 @@ def test_the_traceback_is_logged_once_per_hook(caplog):
 def test_a_failing_fallback_is_contained_too(caplog):
     h = Harness("always")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h.worker._worker, "on_transfer_results", _raise)
+        patch.setattr(h.worker._worker._completions, "zero_completed", _raise)
         patch.setattr(h.worker._worker, "contain_transfer_results", _raise)
         _load(h, "r1")
         h.step()
@@ -241,6 +242,19 @@ def test_call_inner_tags_what_the_inner_connector_raises():
     with pytest.raises(ZeroDivisionError) as own:
         _ = 1 // 0
     assert not raised_by_inner(own.value)
+
+
+def test_call_inner_tags_an_exception_type_that_refuses_attributes():
+    @dataclasses.dataclass(frozen=True)
+    class Frozen(Exception):
+        code: int
+
+    def method() -> None:
+        raise Frozen(7)
+
+    with pytest.raises(Frozen) as caught:
+        call_inner(method)
+    assert raised_by_inner(caught.value)
 
 
 def test_invalid_blocks_reach_vllm_when_attributing_them_fails():
