@@ -23,7 +23,8 @@ package-check:
 
 # The P/D demo on CPU vLLM engines, plain connector vs KVTailConnector; sets
 # itself up (default: a Mamba hybrid over NIXL). Options: make demo ARGS="--model llama",
-# ARGS="--backend mooncake" or ARGS="--hybrid" (MooncakeStore, Qwen3-Next hybrid).
+# ARGS="--backend mooncake" or ARGS="--hybrid" (MooncakeStore, Qwen3-Next hybrid: mid-block
+# hits, plain rows right too, see docs/development.md); ARGS="--help" lists them all.
 demo:
 	scripts/demo $(ARGS)
 

@@ -55,7 +55,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--hybrid",
         action="store_true",
         help="MooncakeStore with a tiny Qwen3-Next hybrid, where store hits end mid-block "
-        "(the same as --backend mooncake --model hybrid)",
+        "(the same as --backend mooncake --model hybrid); it does not show the bug: "
+        "MooncakeStore copies whole pages, so the plain rows are right too "
+        "(docs/development.md, the demo)",
     )
     ap.add_argument(
         "--lengths",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
 import os
 import shutil
@@ -13,6 +15,38 @@ from pathlib import Path
 
 from demo import procs
 from demo.prom_text import parse_metrics
+
+_LOOKUP_CHANNELS = itertools.count()
+_handed_out: list[int] = []
+
+
+def private_lookup_channel() -> int:
+    """A ``lookup_rpc_port`` that no other MooncakeStore engine on this host uses.
+
+    MooncakeStoreConnector's scheduler asks its worker for store hits over a ZMQ
+    IPC socket whose path holds only ``lookup_rpc_port`` (default 0), the host
+    name and the DP rank (vLLM's ``get_zmq_rpc_path_lookup``,
+    ``mooncake/store/worker.py``), and every worker unlinks and rebinds that path
+    when it starts. Engines started together with the default therefore share one
+    socket: an engine's lookups can be answered by another engine's worker, which
+    asks its own master, so a decode engine of one pair reports the hits of the
+    other pair's store (none yet: 0 tokens loaded). The number names a socket file,
+    not a TCP port; the process id and a counter keep every engine's apart.
+    """
+    channel = os.getpid() * 100_000 + next(_LOOKUP_CHANNELS) % 100_000
+    if not _handed_out:
+        atexit.register(_remove_lookup_sockets)
+    _handed_out.append(channel)
+    return channel
+
+
+def _remove_lookup_sockets() -> None:
+    """Unlink the socket files of the channels handed out: the engines end with
+    ``os._exit``, before their worker would unlink its own."""
+    base = Path(os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()))
+    for channel in _handed_out:
+        for path in base.glob(f"lookup_rpc_port_{channel}_host_*"):
+            path.unlink(missing_ok=True)
 
 
 def find_mooncake_master() -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from demo.engine import EngineProcess, start_engines
-from demo.mooncake import MooncakeMaster
+from demo.mooncake import MooncakeMaster, private_lookup_channel
 from demo.procs import free_ports
 from demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
 from kvtail_connector.inner import wrap_kv_transfer_config
@@ -37,9 +37,11 @@ def kv_config(
     role: Literal["producer", "consumer"],
     overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``kv_transfer_config`` for one side of a P/D pair with vLLM's plain connector.
+    """``kv_transfer_config`` for one engine of a P/D pair with vLLM's plain connector.
 
-    ``overrides`` is merged on top (``kv_connector_extra_config`` key by key).
+    One call per engine: a MooncakeStore config names a lookup channel of its own
+    (``private_lookup_channel``). ``overrides`` is merged on top
+    (``kv_connector_extra_config`` key by key).
     """
     if backend == "nixl":
         cfg: dict[str, Any] = {
@@ -54,7 +56,7 @@ def kv_config(
         cfg = {
             "kv_connector": "MooncakeStoreConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {},
+            "kv_connector_extra_config": {"lookup_rpc_port": private_lookup_channel()},
         }
     else:
         raise ValueError(f"unknown backend {backend!r}")

@@ -113,13 +113,20 @@ def scenario(name: str) -> Scenario:
             title="MooncakeStoreConnector, tiny Qwen3-Next hybrid (Gated DeltaNet + attention), "
             "bfloat16, prefix caching, mamba_cache_mode=align, prefix_match_unit=32",
             notes=[
+                "This option does not show the bug: the plain rows are right too. It shows the "
+                "wrapper zeroing the tail of a mid-block store hit and changing nothing.",
                 "Store hits end on 32-token units, inside attention blocks whose size follows "
-                "the Mamba page size (below); the load copies the producer's whole page, so "
-                "the slots past the hit hold the producer's bytes.",
-                "NaN in every slot of the decode engine before each request (vLLM zeroes new "
-                "blocks of hybrid models, so it must not show).",
-                'zero_tails="auto": the model needs KV-cache zeroing (Mamba layers), '
-                "so the wrapper zeroes tails.",
+                "the Mamba page size (below).",
+                "Why the plain rows are right: MooncakeStore gets whole pages, so the load "
+                "overwrites the decode engine's whole last block, the NaN planted in every "
+                "slot before each request included. The slots past the hit then hold the "
+                "producer's page as it saved it: KV of the prompt's next tokens (recomputed "
+                "here) and, past the prompt, bytes vLLM zeroed when the producer allocated "
+                "the block. The save leaves from the producer's own step, so unlike NIXL "
+                "(pulled after the prefill returned) there is no point at which to plant "
+                "NaN in it.",
+                'zero_tails="auto": the model needs KV-cache zeroing (Mamba layers), so the '
+                "wrapper zeroes the tail anyway (its probe counts the producer's finite bytes).",
             ],
             zero_tails="auto",
             engine={
