@@ -220,11 +220,12 @@ class RankCaches:
     def packed_tail(self, record: LoadRecord) -> tuple[bytes | None, int, bool]:
         """:meth:`stale_tail`'s tail lines (None: a whole-block line, or no
         caches), their bytes and :meth:`has_tail`, in one pass, for
-        :meth:`zero_packed_tails`. Tuned: bind runs it per load, and it costs
-        ~1 µs per load less than those two (CPU) against bind's budget of 2 µs
-        per load (``benchmarks/RESULTS.md``, "Worker side on the GPU": bind,
-        64 loads, per load; 0.9-1.9 µs on the H200's host)."""
-        lines: list[bytes] = []
+        :meth:`zero_packed_tails`. Tuned: bind runs it per load, at 1.0 µs
+        against 2.1 µs for those two (CPU, 64 loads of 80 layers), under
+        bind's budget of 2 µs per load (``benchmarks/RESULTS.md``, "Worker
+        side on the GPU": bind, 64 loads, per load; 0.9-1.9 µs on the H200's
+        host)."""
+        packed = b""
         nbytes = 0
         has_tail = False
         packable = self.zeroer is not None
@@ -241,9 +242,9 @@ class RankCaches:
                 continue
             for part in self._tail_parts(load.group, n):
                 packable = packable and part.first > 0  # a whole block: not a tail line
-                lines.append(pack_line(block, part.first, part.rows))
+                packed += pack_line(block, part.first, part.rows)
                 nbytes += part.nbytes
-        return (b"".join(lines) if packable else None), nbytes, has_tail
+        return (packed if packable else None), nbytes, has_tail
 
     def _tail_parts(self, group: int, n: int) -> tuple[_SetTail, ...]:
         """Each set's part of a tail of ``n`` valid tokens in ``group``, where
