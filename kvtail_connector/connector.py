@@ -318,7 +318,8 @@ class KVTailConnector(ForwardingConnector, SupportsHMA):
         scheduler = self._scheduler
         assert scheduler is not None, "scheduler-side hook"
         try:
-            scheduler.read_entry(request, num_external_tokens)
+            if num_external_tokens > 0:
+                scheduler.read_entry(request)
         except Exception as exc:
             self._alloc_failed(exc, request, blocks, num_external_tokens)
             self._inner.update_state_after_alloc(request, blocks, num_external_tokens)

@@ -199,12 +199,12 @@ class TailScheduler:
         self._asked = (request, kept)
         return kept if it is groups else groups
 
-    def read_entry(self, request: Any, num_external_tokens: int) -> None:
+    def read_entry(self, request: Any) -> None:
         """Before the inner ``update_state_after_alloc`` of a load: read the
         producer's entry once per allocation, while the params still hold
         what its binding covers (NIXL push rewrites ``remote_block_ids`` there)."""
         reader = self._reader
-        if reader is None or num_external_tokens <= 0:
+        if reader is None:
             return
         params = request.kv_transfer_params
         if type(params) is dict and entry.KEY not in params and not reader.counts_absence:

@@ -13,7 +13,7 @@ from collections.abc import KeysView
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LoadStart:
     """A load as matched: ``local`` tokens computed before it; ``is_async``:
     the inner connector loads it asynchronously (else a synchronous READ)."""

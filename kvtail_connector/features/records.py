@@ -61,9 +61,7 @@ def state_loads(
 
 def null_as_ours(ids: tuple[int, ...]) -> tuple[int, ...]:
     """Block ids with vLLM's null block (sliding-window gaps) as :data:`NULL_BLOCK`."""
-    if _compat.NULL_BLOCK_ID in ids:
-        return tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
-    return ids
+    return tuple(NULL_BLOCK if i == _compat.NULL_BLOCK_ID else i for i in ids)
 
 
 class LoadRecords:
@@ -79,6 +77,12 @@ class LoadRecords:
         self._inner = inner
         self.groups = groups
         self._every = records_every_load
+        # Per group id: tokens per manager block, and that size where the
+        # group has token tails (None where it has none): read per load.
+        self._block_sizes = tuple(info.effective_block for info in groups)
+        self._tail_sizes = tuple(
+            info.effective_block if info.has_tails else None for info in groups
+        )
 
     def tail_index(self, num_loaded: int, group: int) -> int | None:
         tail = tail_block(num_loaded, self.groups[group].effective_block)
@@ -103,9 +107,10 @@ class LoadRecords:
         :data:`NULL_BLOCK`, for the readers to skip."""
         written = []
         for gid in loaded_groups:
-            size = self.groups[gid].effective_block
-            ids = tuple(b.block_id for b in blocks.blocks[gid][local // size : -(-loaded // size)])
-            written.append(null_as_ours(ids))
+            size = self._block_sizes[gid]
+            span = blocks.blocks[gid][local // size : -(-loaded // size)]
+            ids = tuple([b.block_id for b in span])
+            written.append(null_as_ours(ids) if _compat.NULL_BLOCK_ID in ids else ids)
         return tuple(written)
 
     def from_written(
@@ -125,11 +130,11 @@ class LoadRecords:
         loads = []
         has_tail = False
         for gid, ids in zip(loaded_groups, written, strict=True):
-            info = self.groups[gid]
-            if not info.has_tails:
+            size = self._tail_sizes[gid]
+            if size is None:
                 continue
-            has_tail = has_tail or loaded % info.effective_block != 0
-            loads.append(GroupLoad(gid, local // info.effective_block, ids))
+            has_tail = has_tail or loaded % size != 0
+            loads.append(GroupLoad(gid, local // size, ids))
         if not loads or not (has_tail or keep or (self._every and not tails_only)):
             return None  # block-aligned: nothing stale, nothing to watch
         return LoadRecord(req_id, local, loaded, tuple(loads))
