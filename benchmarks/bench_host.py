@@ -489,7 +489,7 @@ class _WorkerPair:
         self.wrapper = make_worker_connector(cfg_w, self.kv)
         self.bare = make_worker_connector(cfg_b, self.kv)
         self.caches = allocate(self.kv)
-        self.wrapper.register_kv_caches(self.caches.views)
+        self.wrapper.register_kv_caches(self.caches.publish(cfg_w))
         self.bare.register_kv_caches(self.caches.views)
         self.tail_worker = self.wrapper._worker  # the TailWorker
         assert self.tail_worker is not None and self.tail_worker._rank.zeroer is not None
@@ -572,7 +572,7 @@ def _time_fn(fn: Callable[[], Any], reps: int) -> list[int]:
 def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str, float]]:
     """The wrapper's host work for N_TAILS loads, piece by piece, same inputs.
 
-    Pieces are helpers of the worker's shared ``RankZeroing`` and ``StepZeroer``.
+    Pieces are helpers of the worker's shared ``RankCaches`` and its ``KVZeroer``.
     """
     from kvtail_connector.tails import first_stale_slot
 
@@ -597,21 +597,25 @@ def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str,
     pieces: dict[str, Callable[[], Any]] = {
         "first_stale_slot x N": firsts,
         "tail_items x N (incl. first_stale_slot)": lambda: [rank.tail_items(r) for r in records],
-        "tail_pack x N (memoized, what bind runs)": lambda: [rank.tail_pack(r) for r in records],
+        "packed_tail x N (memoized, what bind runs)": lambda: [
+            rank.packed_tail(r) for r in records
+        ],
         "np.asarray(items) x N": lambda: [np.asarray(i, dtype=np.int64) for i in items],
     }
     # Work lines are built when records arrive (bind); completion only launches.
-    pieces["zeroing x N (work lines from items)"] = lambda: [rank.zeroing("r", i) for i in items]
-    lines = [ln for i in items for ln in rank.zeroing("r", i).lines]
+    pieces["stale_tail x N (work lines encoded)"] = lambda: [rank.stale_tail(r) for r in records]
+    all_items = np.array([item for i in items for item in i], dtype=np.int64)
     pieces["pop finished records"] = pops
-    pieces["zeroer.zero_lines(all) (CPU torch path)"] = lambda: zeroer.zero_lines(lines)
+    pieces["zeroer.zero(all items) (CPU torch path)"] = lambda: zeroer.zero(
+        all_items, validate=False
+    )
     out = {name: _stats(_time_fn(fn, reps)) for name, fn in pieces.items()}
     rank.stats.take(None)
     return out
 
 
 def bench_worker(layer_counts: tuple[int, ...], reps_scale: float) -> dict[str, Any]:
-    cfg_w, cfg_b = _configs(4096)
+    cfg_w, cfg_b, _ = _configs(4096)
     out: dict[str, Any] = {}
     for layers in layer_counts:
         num_blocks = 2048
@@ -656,7 +660,7 @@ def bench_worker(layer_counts: tuple[int, ...], reps_scale: float) -> dict[str, 
             # The same calls with the zeroing itself stubbed out: the wrapper's
             # bookkeeping around the launch, which the GPU path pays as well.
             zeroer = pair.tail_worker._rank.zeroer
-            hook = "zero_lines"
+            hook = "zero"  # CPU caches: RankCaches.zero launches through KVZeroer.zero
             setattr(zeroer, hook, lambda *a, **k: 0)
             try:
                 t = _time_calls(pair, meta_w, meta_b, max(50, slow_reps // 2), load=True)
@@ -713,7 +717,7 @@ def profile_worker(layers: int, calls: int = 300) -> str:
     import io
     import pstats
 
-    cfg_w, cfg_b = _configs(4096)
+    cfg_w, cfg_b, _ = _configs(4096)
     pair = _WorkerPair(cfg_w, cfg_b, layers, 2048)
     meta_w, _ = pair.metas(N_TAILS, tracked=True)
     bind, gtr = cProfile.Profile(), cProfile.Profile()
