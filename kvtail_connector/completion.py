@@ -73,13 +73,18 @@ class CompletionPasses:
         which this pass settles first (:meth:`_settle_unanswered`);
         completions owed since then are reported failed here."""
         errors = self._errors
-        if errors.unanswered is not None:
+        if errors.has_open:
+            # Kept before settling: should settling raise, this pass is
+            # among those the next one settles.
+            errors.begin(results, finished_req_ids)
             self._settle_unanswered()
         verify = self._verify
         if not (
             results.finished_recving or finished_req_ids or self._tails.num_held or errors.owes
         ) and (verify is None or verify.idle):
             # The usual pass: nothing completed or finished, nothing held.
+            if errors.has_open:
+                errors.answered()  # the pass begun to settle earlier ones
             return results
         errors.begin(results, finished_req_ids)
         self._tails.finished(finished_req_ids)
@@ -210,11 +215,10 @@ class CompletionPasses:
         failed (``every_completion_failed``); what a hold had given up by
         then is owed, and the next pass settles the rest."""
         errors = self._errors
-        unanswered = errors.unanswered
-        if unanswered is not None and unanswered.results is not results:
-            # answer failed while settling an earlier pass.
-            self._settle_unanswered()
         errors.begin(results, finished_req_ids)
+        if errors.unanswered:
+            # answer failed while settling earlier passes.
+            self._settle_unanswered()
         done = set(results.finished_recving)
         self._take_holds(done)
         done |= errors.owed
@@ -228,22 +232,25 @@ class CompletionPasses:
         )
 
     def _settle_unanswered(self) -> None:
-        """The last pass never answered: it failed, its fallback failed too,
-        and the facade reported exactly that pass's completions failed
-        (``every_completion_failed``). Those are forgotten everywhere, so
-        that no hold releases one again (vLLM asserts on a completion it has
-        seen, and at TP > 1 miscounts the ranks'); every other completion a
-        hold keeps, or released in that pass, is owed: reported failed by the
-        next answer, as that pass's fallback would have."""
+        """The passes before this one never answered: each failed, its
+        fallback failed too, and the facade reported exactly that pass's
+        completions failed (``every_completion_failed``). Those are forgotten
+        everywhere, so that no hold releases one again (vLLM asserts on a
+        completion it has seen, and at TP > 1 miscounts the ranks'); every
+        other completion a hold keeps, or released in those passes, is owed:
+        reported failed by the next answer, as their fallbacks would have."""
         errors = self._errors
         unanswered = errors.unanswered
-        assert unanswered is not None
-        reported = set(unanswered.results.finished_recving)
-        self._tails.finished(unanswered.finished_req_ids)
+        reported: set[str] = set()
+        finished: set[str] = set()
+        for unanswered_pass in unanswered:
+            reported.update(unanswered_pass.results.finished_recving)
+            finished.update(unanswered_pass.finished_req_ids)
+        self._tails.finished(finished)
         self._take_holds(reported)
         forgotten = reported | errors.owed
         self._tails.drop(forgotten)
-        errors.forget(forgotten, unanswered.finished_req_ids)
+        errors.forget(forgotten, finished)
         errors.settled()
 
     def _take_holds(self, reported: set[str]) -> None:

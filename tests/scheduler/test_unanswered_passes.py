@@ -107,6 +107,39 @@ def test_a_completion_released_in_a_pass_the_facade_answered_is_reported(held):
     assert h.stats["internal_errors"] == 2 and h.stats["failed_loads"] == 2
 
 
+def test_two_passes_in_a_row_whose_fallbacks_fail_leave_nothing_behind(held):
+    # Pass A and its fallback fail (the facade reports r2 failed); in pass B,
+    # where r3 completes, settling pass A fails, and so does the fallback's
+    # settling (the facade reports r3 failed). The next pass settles both:
+    # nothing is held for r2 or r3, and neither is reported again.
+    h, event = held
+    worker = h.worker._worker
+    h.add("r2", 100, double_load_tokens=70, double_finish_after_steps=2)
+    h.add("r3", 100, double_load_tokens=70, double_finish_after_steps=3)
+    h.step()  # both loads start
+    h.land("r2", 0, 0, 70)
+    h.land("r3", 0, 0, 70)
+    tails = worker._tails
+    real = tails.finished
+    calls = []
+
+    def fails_twice(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        _both_fail_once(patch, worker)
+        h.step()  # r2 completes: pass A and its fallback fail
+        patch.setattr(tails, "finished", fails_twice)
+        h.step()  # r3 completes: settling pass A fails, in the fallback too
+    event.done = True
+    h.finish()
+    assert worker.num_tracked == 0
+    assert h.stats["failed_loads"] == 2
+
+
 def test_a_completion_held_for_its_digest_is_not_reported_again(sent, monkeypatch):  # noqa: F811
     # verify_kv: a load's completion is held until its digest reached the host
     # (two passes after it completed, here).

@@ -57,7 +57,8 @@ class LoadErrorsWorker:
         self._failing: set[str] = set()
         # Completions taken out of a hold that no answer has carried yet.
         self._owed: set[str] = set()
-        self._open: CompletionPass | None = None
+        # The passes begun and not answered, the one in progress last.
+        self._open: list[CompletionPass] = []
 
     def bind(self, loads: Iterable[LoadRecord], failing: Iterable[str]) -> None:
         """This step's async loads, tracked; ``failing``: loads the scheduler
@@ -130,20 +131,28 @@ class LoadErrorsWorker:
 
     def begin(self, results: KVConnectorTransferResults, finished_req_ids: set[str]) -> None:
         """A completion pass starts on the inner connector's ``results``: kept
-        until :meth:`answered`. A pass still kept when the next begins never
-        answered (it and its fallback failed): see :attr:`unanswered`."""
-        self._open = CompletionPass(results, finished_req_ids)
+        until :meth:`answered` (begun again for the same ``results``, by the
+        fallback of a pass that raised: kept once). Passes still kept when
+        the next begins never answered (each and its fallback failed): see
+        :attr:`unanswered`."""
+        if not (self._open and self._open[-1].results is results):
+            self._open.append(CompletionPass(results, finished_req_ids))
 
     @property
-    def unanswered(self) -> CompletionPass | None:
-        """The pass in progress, or, seen at the start of a pass, the last one,
-        whose answer never left the worker: the facade then reported exactly
-        its completions failed (``every_completion_failed``)."""
-        return self._open
+    def has_open(self) -> bool:
+        """Some pass is kept: at the start of a pass, one that never answered."""
+        return bool(self._open)
+
+    @property
+    def unanswered(self) -> list[CompletionPass]:
+        """The passes before the one in progress whose answers never left the
+        worker: for each, the facade reported exactly its completions failed
+        (``every_completion_failed``)."""
+        return self._open[:-1]
 
     def settled(self) -> None:
-        """The unanswered pass was settled (its completions forgotten)."""
-        self._open = None
+        """The unanswered passes were settled (their completions forgotten)."""
+        del self._open[:-1]
 
     def owe(self, req_ids: Iterable[str]) -> None:
         """Completions taken out of a hold and never reported: the next
@@ -162,7 +171,7 @@ class LoadErrorsWorker:
     def answered(self) -> None:
         """The pass's answer leaves the worker, the owed completions in it."""
         self._owed = set()
-        self._open = None
+        self._open.clear()
 
     def held(self) -> set[str]:
         """Requests this part holds for: the completions owed."""
@@ -185,8 +194,7 @@ class LoadErrorsWorker:
 
     @property
     def num_tracked(self) -> int:
-        unanswered = self._open is not None
-        return self._ledger.num_tracked + len(self._failing) + len(self._owed) + unanswered
+        return self._ledger.num_tracked + len(self._failing) + len(self._owed) + len(self._open)
 
 
 def _first_invalid(record: LoadRecord, invalid: set[int]) -> FirstInvalid | None:
