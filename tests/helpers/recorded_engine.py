@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import pickle
 import re
 import zlib
 from typing import Any
@@ -27,7 +26,6 @@ import torch
 import vllm.triton_utils
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.platforms.cpu import CpuPlatform
-from vllm.v1.outputs import KVConnectorOutput
 
 from tests.helpers import landing_doubles as doubles
 from tests.helpers import vllm_factories as vf
@@ -220,35 +218,8 @@ class Engine:
         }
 
     def worker_step(self, out: Any) -> Any:
-        """vllm_factories.run_worker_step's order (V1, or V2 where the config runs
-        it), with a forward between the load and wait_for_save."""
-        w = self.worker
-        meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))  # as TP > 1 delivers it
-        v2 = vf.runs_v2_runner(self.vllm_config)
-        load_first = out.has_sync_kv_loads or not v2
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        if load_first:
-            w.start_load_kv(None)  # type: ignore[arg-type]
-        if out.total_num_scheduled_tokens:
-            self.forward(out)
-        if v2:
-            w.finish_forward()
-        if not load_first:
-            w.start_load_kv(None)  # type: ignore[arg-type]
-        w.wait_for_save()
-        results = w.get_transfer_results(out.finished_req_ids)
-        kv_out = KVConnectorOutput(
-            finished_sending=results.finished_sending,
-            finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_stats=w.get_kv_connector_stats(),
-            kv_cache_events=w.get_kv_connector_kv_cache_events(),
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
-        w.clear_connector_metadata()
-        return kv_out
+        """vllm_factories.run_worker_step, with the forward writing every layer's KV."""
+        return vf.run_worker_step(self.worker, out, forward=self.forward)
 
     def forward(self, out: Any) -> None:
         """Per attention layer: wait_for_layer_load, each scheduled token's KV

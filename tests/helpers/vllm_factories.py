@@ -45,7 +45,7 @@ import pickle
 import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -567,7 +567,9 @@ METADATA_DELIVERY = "pickled"
 
 
 def run_worker_step(
-    worker: KVConnectorBase_V1, scheduler_output: SchedulerOutput
+    worker: KVConnectorBase_V1,
+    scheduler_output: SchedulerOutput,
+    forward: Callable[[SchedulerOutput], None] | None = None,
 ) -> KVConnectorOutput:
     """Drive a worker connector through one step, in the model runner's order.
 
@@ -583,7 +585,8 @@ def run_worker_step(
     ``start_load_kv`` gets ``None``. The metadata arrives as
     :data:`METADATA_DELIVERY` says: ``"pickled"`` (the default), as a
     multi-process executor (TP > 1) delivers it, or ``"built"``, the scheduler's
-    own objects, as one process (TP 1) binds them.
+    own objects, as one process (TP 1) binds them. ``forward``: the model's
+    forward of a step that schedules tokens, run where the runner runs it.
     """
     meta = scheduler_output.kv_connector_metadata
     assert meta is not None, "the scheduler had no connector"
@@ -596,6 +599,8 @@ def run_worker_step(
     worker.bind_connector_metadata(meta)
     if load_first:
         worker.start_load_kv(None)  # type: ignore[arg-type]
+    if forward is not None and scheduler_output.total_num_scheduled_tokens:
+        forward(scheduler_output)
     if v2:
         worker.finish_forward()
     if not load_first:
