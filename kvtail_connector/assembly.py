@@ -25,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtail_connector import _compat, entry, name_keyed, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connectors import InnerAdapter
+from kvtail_connector.features.entry_features import EntryFeatures
 from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.features.records import LoadRecords
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.inner import (
     BACKEND_FIELD,
@@ -228,21 +230,27 @@ def _one_side(
             dcp_world,
             _compat.dcp_interleave_size(parallel),
         )
+        records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
+        extra = (
+            EntryFeatures(
+                records,
+                policy,
+                stats,
+                geometry=geometry,
+                num_workers=_compat.worker_count(parallel),
+                limits=entry.Limits(
+                    max_tokens=int(vllm_config.model_config.max_model_len),
+                    num_groups=len(kv_cache_config.kv_cache_groups),
+                    num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
+                ),
+                min_block_size=min((int(s.block_size) for s in specs), default=16),
+                key=entry_key,
+            )
+            if EntryFeatures.needed(policy)
+            else None
+        )
         scheduler = TailScheduler(
-            inner,
-            groups,
-            policy,
-            adapter=adapter,
-            stats=stats,
-            geometry=geometry,
-            num_workers=_compat.worker_count(parallel),
-            limits=entry.Limits(
-                max_tokens=int(vllm_config.model_config.max_model_len),
-                num_groups=len(kv_cache_config.kv_cache_groups),
-                num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
-            ),
-            min_block_size=min((int(s.block_size) for s in specs), default=16),
-            key=entry_key,
+            inner, groups, policy, adapter=adapter, stats=stats, records=records, extra=extra
         )
         return scheduler, None
     placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))

@@ -419,9 +419,11 @@ def test_a_failed_zeroing_launch_counts_nothing(monkeypatch):
 # ------------------------------------------------ 5. failed loads counted
 
 
-@pytest.mark.parametrize("method", ["_reader.read", "_records.written", "_records.from_written"])
+@pytest.mark.parametrize(
+    "method", ["_extra._reader.read", "_records.written", "_records.from_written"]
+)
 def test_an_alloc_failure_still_counts_the_failed_load(method, monkeypatch):
-    # _reader.read: read_entry fails, the scheduler's update never runs;
+    # _extra._reader.read: read_entry fails, the scheduler's update never runs;
     # _records.written: the allocation fails (contain_alloc);
     # _records.from_written: the load's record (built with the step's
     # metadata) fails once the load is in flight.

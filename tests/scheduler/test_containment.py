@@ -170,7 +170,7 @@ def test_a_producer_hook_failure_makes_no_claim(caplog):
 def test_a_scheduler_side_failure_at_output_makes_no_claim():
     h = Harness("always", kv_role="kv_producer", vouch_tails="trust")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(h.scheduler.connector._scheduler._claims, "granted", _raise)
+        patch.setattr(h.scheduler.connector._scheduler._extra._claims, "granted", _raise)
         h.add("p1", 37, max_tokens=1, do_remote_decode=True)
         _, engine_outputs = run_step(h.scheduler, h.worker)
     params = {

@@ -14,6 +14,8 @@ import pytest
 
 from kvtail_connector import entry
 from kvtail_connector.connectors import adapter_for
+from kvtail_connector.features.entry_features import EntryFeatures
+from kvtail_connector.features.records import LoadRecords
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.policy import TailPolicy
@@ -44,13 +46,27 @@ def _worker(policy: TailPolicy) -> TailWorker:
 
 def _scheduler(policy: TailPolicy) -> TailScheduler:
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    groups = group_infos(kv, 1)
+    stats = KVTailStats()
+    records = LoadRecords(object(), groups, records_every_load=policy.records_every_load)
+    extra = (
+        EntryFeatures(
+            records,
+            policy,
+            stats,
+            geometry=entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
+        )
+        if EntryFeatures.needed(policy)
+        else None
+    )
     return TailScheduler(
         object(),  # the inner connector: no hook runs here
-        group_infos(kv, 1),
+        groups,
         policy,
         adapter=adapter_for(RecordingConnector, {}, []),
-        stats=KVTailStats(),
-        geometry=entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
+        stats=stats,
+        records=records,
+        extra=extra,
     )
 
 
@@ -84,7 +100,8 @@ def test_every_part_exists_when_every_feature_is_on():
     worker, scheduler = _worker(EVERY_PART), _scheduler(EVERY_PART)
     for side, parts in (
         (worker, ("_tails", "_errors", "_claims", "_reads", "_verify")),
-        (scheduler, ("_tails", "_errors", "_claims", "_reads", "_verify", "_reader", "_writer")),
+        (scheduler, ("_tails", "_errors", "_reads", "_extra")),
+        (scheduler._extra, ("_claims", "_verify", "_reader", "_writer")),
     ):
         assert all(getattr(side, p) is not None for p in parts), parts
 
@@ -92,5 +109,4 @@ def test_every_part_exists_when_every_feature_is_on():
 def test_a_feature_that_is_off_has_no_part():
     worker, scheduler = _worker(NO_PART), _scheduler(NO_PART)
     assert (worker._claims, worker._reads, worker._verify) == (None, None, None)
-    assert (scheduler._claims, scheduler._reads, scheduler._verify) == (None, None, None)
-    assert (scheduler._reader, scheduler._writer) == (None, None)
+    assert (scheduler._reads, scheduler._extra) == (None, None)

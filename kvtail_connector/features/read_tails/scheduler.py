@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.features.producer_claims.scheduler import ClaimsScheduler
+from kvtail_connector.extension import SchedulerExtra
 from kvtail_connector.features.records import LoadRecords
 from kvtail_connector.log import get_logger
 from kvtail_connector.metadata import LoadRecord
@@ -29,13 +29,13 @@ logger = get_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class _PendingRead:
     """A READ of tokens ``[local, loaded)`` of ``request`` into ``blocks``;
-    ``claim``: the prompt length a bound producer claim covers, or None."""
+    ``allocated``: what the extra said of it at the allocation."""
 
     request: Any
     blocks: Any
     local: int
     loaded: int
-    claim: int | None
+    allocated: Any
 
 
 class ReadTailsScheduler:
@@ -48,8 +48,8 @@ class ReadTailsScheduler:
         zeroes_read_tails: ship READ tail records (``TailPolicy.zeroes_read_tails``).
         excludes_reads: drop READ destinations from vLLM's zero list
             (``TailPolicy.excludes_reads``).
-        trusts_read_claims: a bound, matching claim marks the record vouched.
-        claims: the claims part (decides on a claim), if on.
+        extra: the opt-in features (a producer claim may mark a READ's
+            record vouched), or None.
     """
 
     def __init__(
@@ -60,25 +60,22 @@ class ReadTailsScheduler:
         *,
         zeroes_read_tails: bool,
         excludes_reads: bool,
-        trusts_read_claims: bool,
-        claims: ClaimsScheduler | None,
+        extra: SchedulerExtra | None,
     ) -> None:
         self._records = records
         self._adapter = adapter
         self._stats = stats
         self._zero = zeroes_read_tails
         self._exclude = excludes_reads
-        self._trust = trusts_read_claims
-        self._claims = claims
+        self._extra = extra
         # Their records wait for build_connector_meta, which knows the step's tokens.
         self._pending: list[_PendingRead] = []
 
-    def allocated(
-        self, request: Any, blocks: Any, local: int, loaded: int, claim: int | None
-    ) -> None:
-        """A READ of tokens ``[local, loaded)`` was allocated."""
+    def allocated(self, request: Any, blocks: Any, local: int, loaded: int, allocated: Any) -> None:
+        """A READ of tokens ``[local, loaded)`` was allocated (``allocated``:
+        what the extra said of it, for :meth:`SchedulerExtra.read_record`)."""
         if self._zero:
-            self._pending.append(_PendingRead(request, blocks, local, loaded, claim))
+            self._pending.append(_PendingRead(request, blocks, local, loaded, allocated))
 
     def build(
         self, scheduler_output: Any, inner_meta: Any
@@ -119,7 +116,7 @@ class ReadTailsScheduler:
         out = []
         builder = self._records
         for read in self._pending:
-            request, claim = read.request, read.claim
+            request = read.request
             dests = reads.get(request.request_id)
             step = num_scheduled.get(request.request_id, 0)
             if not dests or step <= 0:
@@ -131,9 +128,8 @@ class ReadTailsScheduler:
                 for load in record.groups
                 if (k := builder.tail_index(record.num_loaded, load.group)) is not None
             ):
-                claims = self._claims
-                if claims is not None and claims.used(request, claim, record, self._trust):
-                    record = record._replace(vouched=True)
+                if self._extra is not None:
+                    record = self._extra.read_record(request, read.allocated, record)
                 out.append(record)
         self._pending.clear()
         return tuple(out)

@@ -84,7 +84,7 @@ def test_a_failed_metadata_build_leaves_vllms_zero_list_untouched(make_run):  # 
 # _reads.allocated: the READ part itself fails once, after the entry was read
 # (contain_alloc's own call to it succeeds).
 @pytest.mark.parametrize(
-    "fault", ["_reader.read", "update_state_after_alloc", "_reads.allocated!once"]
+    "fault", ["_extra._reader.read", "update_state_after_alloc", "_reads.allocated!once"]
 )
 def test_a_failed_alloc_still_ships_the_read_record(make_run, fault):  # noqa: F811
     ref_run, ref, ref_tails = _read_step(make_run, None)
