@@ -321,10 +321,12 @@ class TailScheduler:
     def contain_output(self, connector_output: Any) -> None:
         """``update_connector_output`` failed: no claim from this call; loads
         reported finished are forgotten."""
-        for req_id in tuple(connector_output.finished_recving or ()):
-            self._errors.finished((req_id,))
+        # The extra first: it drops the params left for a grant before
+        # anything below can raise on a malformed output.
         if self._extra is not None:
             self._extra.contain_output(connector_output)
+        for req_id in tuple(connector_output.finished_recving or ()):
+            self._errors.finished((req_id,))
 
     def forget(self, req_id: str) -> None:
         """``on_new_request`` or ``request_finished`` failed for ``req_id``:
