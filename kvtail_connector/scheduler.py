@@ -250,9 +250,7 @@ class TailScheduler:
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         """``params``: what the inner connector's ``request_finished`` returned,
         the very dict vLLM puts into the request's output."""
-        self._starts.pop(request.request_id)
-        if self._asked is not None and self._asked[0] is request:
-            self._asked = None  # asked for an allocation that never came
+        self._drop(request.request_id)
         if self._extra is not None:
             self._extra.request_finished(request, params)
 
@@ -331,12 +329,16 @@ class TailScheduler:
     def forget(self, req_id: str) -> None:
         """``on_new_request`` or ``request_finished`` failed for ``req_id``:
         no claim for it."""
-        self._starts.pop(req_id)
-        asked = self._asked
-        if asked is not None and asked[0].request_id == req_id:
-            self._asked = None
+        self._drop(req_id)
         if self._extra is not None:
             self._extra.forget(req_id)
+
+    def _drop(self, req_id: str) -> None:
+        """The core's state of a request that ended: its match, and the
+        answer vLLM got for an allocation that never came."""
+        self._starts.pop(req_id)
+        if self._asked is not None and self._asked[0].request_id == req_id:
+            self._asked = None
 
     # ----------------------------------------------------------- accounting
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtail_connector.containment import mark_inner
+from kvtail_connector.containment import call_inner
 
 # request id -> the blocks its load in flight writes (iterated only when ids
 # are reported).
@@ -94,9 +94,6 @@ class LoadErrorLedger:
 
 
 def _ask(inner: Any) -> set[int]:
-    """The inner connector's ids; its exceptions tagged as its own."""
-    try:
-        return set(inner.get_block_ids_with_load_errors())
-    except BaseException as exc:
-        mark_inner(exc)
-        raise
+    """The inner connector's ids; its exceptions (iterating its answer too)
+    tagged as its own."""
+    return call_inner(lambda: set(inner.get_block_ids_with_load_errors()))
