@@ -74,12 +74,11 @@ class PinnedStaging:
 @dataclass
 class _Slot:
     host: torch.Tensor  # pinned; the graph's copy source
-    host_np: np.ndarray  # a view of host
     device: torch.Tensor  # the graph's copy destination and kernel input
     graph: torch.cuda.CUDAGraph
     done: torch.cuda.Event  # recorded behind the slot's last replay
     recorded_by_graph: bool  # the graph records ``done`` itself (an event node)
-    host_bytes: memoryview  # host_np's bytes (written without numpy)
+    host_bytes: memoryview  # host's bytes (written without numpy)
 
 
 def _graph_event() -> torch.cuda.Event | None:
@@ -124,36 +123,19 @@ class GraphSlots:
             if done is None:
                 done = torch.cuda.Event()
                 done.record()
-            host_np = host.numpy()
-            self._slots.append(
-                _Slot(host, host_np, dev, graph, done, in_graph, host_np.data.cast("B"))
-            )
-
-    def run(self, table: np.ndarray) -> torch.cuda.Event:
-        """Copy ``table`` (at most ``entries`` int64) into a free slot and replay it.
-
-        Returns the event recorded behind the replay (copy and launch).
-        """
-        self.next_buffer()[: table.size] = table.reshape(-1)
-        return self.replay()
-
-    def next_buffer(self) -> np.ndarray:
-        """The pinned buffer :meth:`replay` copies next, once free (the copy
-        out of it by the slot's last replay has completed)."""
-        return self._free_slot().host_np
+            host_bytes = host.numpy().data.cast("B")
+            self._slots.append(_Slot(host, dev, graph, done, in_graph, host_bytes))
 
     def next_bytes(self) -> memoryview:
-        """:meth:`next_buffer`'s bytes."""
-        return self._free_slot().host_bytes
-
-    def _free_slot(self) -> _Slot:
+        """The bytes of the pinned buffer :meth:`replay` copies next, once free
+        (the copy out of it by the slot's last replay has completed)."""
         slot = self._slots[self._next]
         if not slot.done.query():
             slot.done.synchronize()
-        return slot
+        return slot.host_bytes
 
     def replay(self) -> torch.cuda.Event:
-        """Replay the slot :meth:`next_buffer` handed out (copy, launch);
+        """Replay the slot :meth:`next_bytes` handed out (copy, launch);
         returns the event behind it."""
         slot = self._slots[self._next]
         slot.graph.replay()

@@ -45,11 +45,6 @@ CacheLike = torch.Tensor | RegionCache
 Implementation = Literal["auto", "triton", "torch"]
 
 
-def _rows_of(start: int, rows: list[Row]) -> GroupRows:
-    span = max((row_span(r) for r in rows), default=0)
-    return GroupRows(start, len(rows), -(-span // launcher.BLOCK))
-
-
 def _widest(rows: Sequence[GroupRows]) -> WorkShape:
     return WorkShape(
         max((r.rows for r in rows), default=0), max((r.chunks for r in rows), default=0)
@@ -131,20 +126,23 @@ class KVZeroer:
 
         # The row table: every group's tail rows, then every group's whole-block rows.
         all_rows = tail_rows + whole_rows
-        starts = np.cumsum([0] + [len(rows) for rows in all_rows]).tolist()
+        counts = [len(rows) for rows in all_rows]
+        starts = np.cumsum([0] + counts).tolist()
+        spans = [max((row_span(r) for r in rows), default=0) for rows in all_rows]
+        ranges = [
+            GroupRows(start, count, -(-span // launcher.BLOCK))
+            for start, count, span in zip(starts, counts, spans, strict=False)
+        ]
         n = len(tail_rows)
-        self._tails = [_rows_of(starts[g], tail_rows[g]) for g in range(n)]
-        self._whole = [_rows_of(starts[n + g], whole_rows[g]) for g in range(n)]
+        self._tails, self._whole = ranges[:n], ranges[n:]
         # One header shape serves any group's lines (see WorkShape).
         self._tail_shape, self._whole_shape = _widest(self._tails), _widest(self._whole)
         # The same facts as arrays, for zero()'s numpy encoding: index g for
         # group g's tail rows, n + g for its whole-block rows.
         self._row_start = np.array(starts[:-1], dtype=np.int64)
-        self._row_count = np.array([len(rows) for rows in all_rows], dtype=np.int64)
-        self._max_span = np.array(
-            [max((row_span(r) for r in rows), default=0) for rows in all_rows], dtype=np.int64
-        )
-        self.num_rows = sum(len(rows) for rows in tail_rows)
+        self._row_count = np.array(counts, dtype=np.int64)
+        self._max_span = np.array(spans, dtype=np.int64)
+        self.num_rows = sum(counts[:n])
         self._launcher: launcher.KernelLauncher | None = None
         self._torch: list[torch_path.GroupZeroing] = []
         # Per group, its rows in a table of its own, for stage(); the tables
