@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -158,27 +157,15 @@ def cpu_attn_regions(
     )
 
 
-def layer_isa(layer_object: Any) -> str | None:
-    """The ISA vLLM's CPU metadata builder chose for this layer (``layer.isa``)."""
-    isa = getattr(layer_object, "isa", None)
-    return isa if isinstance(isa, str) else None
-
-
-def layer_model_dtype(layer_object: Any) -> torch.dtype | None:
-    """The model dtype of an attention layer (``layer.dtype``), if set."""
-    dtype = getattr(layer_object, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 def _learned_cache(page: LayerPage) -> PageCache:
     check_view(page)
-    isa = layer_isa(page.layer)
-    if isa is None:
+    # The ISA vLLM's CPU metadata builder chose, and the model dtype fp8 keys come in.
+    isa, dtype = getattr(page.layer, "isa", None), getattr(page.layer, "dtype", None)
+    if not isinstance(isa, str):
         raise ValueError("vLLM's CPU metadata builder set no ISA on it (layer.isa)")
+    key_dtype = dtype if isinstance(dtype, torch.dtype) else None
     try:
-        regions = cpu_attn_regions(
-            page.view, isa, page.kv_cache_dtype, layer_model_dtype(page.layer)
-        )
+        regions = cpu_attn_regions(page.view, isa, page.kv_cache_dtype, key_dtype)
     except ValueError as e:
         raise ValueError(
             f"{str(e).rstrip('.')} (ISA {isa!r}; vLLM picks the CPU attention ISA from "

@@ -44,7 +44,7 @@ from kvtail_connector.ops.geometry import indexer_cache
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
 from kvtail_connector.pages.refused import refused
-from kvtail_connector.pages.views import check_view
+from kvtail_connector.pages.views import dense_rows
 
 _MLA = "vllm.v1.attention.backends.mla."
 _V4 = "vllm.models.deepseek_v4."
@@ -208,24 +208,12 @@ def _indexer(role: str) -> Callable[[LayerPage], bool]:
     return covers
 
 
-def _rows(page: LayerPage) -> torch.Tensor:
-    """The view, once checked to be one contiguous ``[N, C]`` run per page."""
-    _, _, cell = check_view(page)
-    view = page.view
-    if view.shape[1] != 1 or view.stride(2) * view.element_size() != cell:
-        raise ValueError(
-            f"expected [B, 1, N, C] with rows {cell} bytes apart, got shape "
-            f"{tuple(view.shape)} strides {tuple(view.stride())}"
-        )
-    return view
-
-
 def _split(page: LayerPage, data: int, scales: int, whole_blocks: bool) -> PageCache:
     """``[N x data][N x scales]`` pages. The writers address scales at
     ``N * data`` from the page start, N their cache block: the view's N, which
     with ``whole_blocks`` (the SWA insert takes the spec's block) must be the
     spec's, i.e. pages not split into kernel blocks."""
-    view = _rows(page)
+    view = dense_rows(page)
     if view.dtype != torch.uint8:
         raise ValueError(f"expected a uint8 view of packed records, got {view.dtype}")
     n, states = int(view.shape[2]), int(getattr(page.spec, "num_states", view.shape[2]))
@@ -239,7 +227,7 @@ def _split(page: LayerPage, data: int, scales: int, whole_blocks: bool) -> PageC
 
 def _v41_cache(page: LayerPage) -> PageCache:
     if _compat.deepseek_v41_records_interleaved():
-        return _rows(page)
+        return dense_rows(page)
     data, scales = V41_SPLIT[int(page.field("state_content_bytes"))]
     return _split(page, data, scales, whole_blocks=True)
 
@@ -262,7 +250,7 @@ V32_ROWS = PageMap(
     layout="DeepSeek V3.2 FLASHMLA_SPARSE latent rows, fp8_ds_mla/nvfp4_ds_mla/bf16 (plain)",
     backends=frozenset({V32_BACKEND}),
     covers=_v32_latent,
-    cache=_rows,
+    cache=dense_rows,
 )
 
 V4_RECORDS = PageMap(
@@ -283,7 +271,7 @@ COMPRESSOR_STATE = PageMap(
     layout="DeepSeek V4 compressor state rows, fp32 (plain)",
     backends=frozenset({COMPRESSOR_BACKEND}),
     covers=_compressor_state,
-    cache=_rows,
+    cache=dense_rows,
 )
 
 V32_INDEXER = PageMap(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageMap
-from kvtail_connector.pages.plain import plain_view, unpacked
+from kvtail_connector.pages.plain import plain_view, single_row, unpacked
 
 _A = "vllm.models.dots3_note.nvidia.attention."
 PADDED_BACKEND = _A + "Dots3NotePaddedSparseBackend"  # 0.32-0.34
@@ -31,12 +31,7 @@ SWA_HEAD_SIZE = 1088  # Dots3NoteTritonMLABackend.get_supported_head_sizes
 
 def _latent_rows(page: LayerPage) -> bool:
     """An MLA spec: one latent row per token, nothing packed."""
-    return (
-        unpacked(page)
-        and page.field("num_kv_heads") == 1
-        and page.field("head_size_v", 0) == 0
-        and page.field("tokens_per_state", 1) == 1
-    )
+    return unpacked(page) and single_row(page)
 
 
 PADDED = PageMap(

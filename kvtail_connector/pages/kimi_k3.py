@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageMap
-from kvtail_connector.pages.plain import plain_view, unpacked
+from kvtail_connector.pages.plain import plain_view, single_row, unpacked
 
 KV_BALANCED_BACKEND = (
     "vllm.models.kimi_k3.nvidia.kv_balanced_mla.backend.KimiK3KvBalancedMLABackend"
@@ -28,11 +28,9 @@ def _covers(page: LayerPage) -> bool:
     """The K3 MLA spec for an fp8 (per-tensor scale) cache, not fp8_ds_mla."""
     return (
         unpacked(page)
+        and single_row(page)
         and page.quant_mode == "FP8_PER_TENSOR"
-        and page.field("num_kv_heads") == 1
         and page.field("head_size") == LATENT_ROW
-        and page.field("head_size_v", 0) == 0
-        and page.field("tokens_per_state", 1) == 1
     )
 
 

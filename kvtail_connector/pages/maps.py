@@ -19,27 +19,9 @@ import torch
 
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.pages.layer import LayerPage
-from kvtail_connector.pages.spec_fields import unknown_fields
+from kvtail_connector.pages.spec_fields import NAMED, unknown_fields
 
 PageCache = torch.Tensor | RegionCache
-
-# Spec fields worth naming when a layer is refused (defaults are left out).
-_NAMED_FIELDS = (
-    "kv_quant_mode",
-    "num_kv_heads",
-    "head_size",
-    "head_size_v",
-    "dtype",
-    "num_head_slots",
-    "state_content_bytes",
-    "kv_head_major_slots",
-    "tokens_per_state",
-    "block_stride_alignment",
-    "page_size_padded",
-    "cache_dtype_str",
-    "model_version",
-    "cache_role",
-)
 
 # What a refused layer's user can do, whatever the layout.
 SETTINGS_THAT_WORK = (
@@ -81,9 +63,9 @@ class PageMap:
 
 
 def spec_summary(page: LayerPage) -> str:
-    """The spec fields that shape ``page``, with their values."""
+    """The spec fields that shape ``page``, with their values (defaults left out)."""
     parts = []
-    for name in _NAMED_FIELDS:
+    for name in NAMED:
         value = page.field(name)
         if value is None or value is False:
             continue

@@ -16,7 +16,7 @@ import torch
 
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageMap
-from kvtail_connector.pages.plain import one_row_view, plain_view, unpacked
+from kvtail_connector.pages.plain import one_row_view, plain_view, single_row, unpacked
 from kvtail_connector.pages.refused import refused
 
 _M = "vllm.models.minimax_m3."
@@ -97,12 +97,10 @@ def _indexer_plain(page: LayerPage) -> bool:
     """MiniMaxM3IndexerCache's bf16/fp8 spec: one key-only 128-wide row per token."""
     return (
         unpacked(page)
+        and single_row(page)
         and indexer_role(page)
-        and page.field("num_kv_heads") == 1
         and page.field("head_size") == HEAD_DIM
-        and page.field("head_size_v", 0) == 0
         and page.field("dtype") in _INDEX_DTYPES
-        and page.field("tokens_per_state", 1) == 1
     )
 
 

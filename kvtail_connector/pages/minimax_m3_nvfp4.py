@@ -36,8 +36,11 @@ import torch
 from kvtail_connector import _compat
 from kvtail_connector.ops.geometry import PageRegion, RegionCache, indexer_cache
 from kvtail_connector.ops.ownership import regions_from_owner
+from kvtail_connector.pages.flashinfer_nvfp4 import side_owner
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
+from kvtail_connector.pages.minimax_m3 import indexer_role
+from kvtail_connector.pages.plain import single_row
 from kvtail_connector.pages.views import check_view
 
 _M = "vllm.models.minimax_m3."
@@ -49,24 +52,16 @@ DATA_BYTES = 64  # one token's 128 E2M1 values, two per byte
 SCALE_BYTES = 8  # one token's E4M3 scales, one per 16 values
 CELL_BYTES = DATA_BYTES + SCALE_BYTES  # nvfp4_kv_cache_full_dim(128)
 SLOT_BYTES = PAGE_TOKENS * CELL_BYTES  # one head slot: all data, then all scales
-QUAD = 4  # tokens whose V scales of one group share an aligned 32-bit word
 
 
 def slot_owner(heads: int) -> np.ndarray:
-    """The token owning each byte of one ``[2 * heads, 128, 72]`` main page."""
-    t = np.arange(PAGE_TOKENS)
-    data = 64 * t[:, None] + np.arange(DATA_BYTES)[None, :]
-    g = np.arange(SCALE_BYTES)[None, :]
-    k_scale = DATA_BYTES * PAGE_TOKENS + SCALE_BYTES * t[:, None] + g
-    v_scale = DATA_BYTES * PAGE_TOKENS + 32 * (t[:, None] // QUAD) + QUAD * g + t[:, None] % QUAD
-    owner = np.full(2 * heads * SLOT_BYTES, -1, dtype=np.int64)
-    tokens_by = np.broadcast_to(t[:, None], data.shape)
-    scales_by = np.broadcast_to(t[:, None], k_scale.shape)
-    for slot in range(2 * heads):
-        base = slot * SLOT_BYTES
-        owner[base + data] = tokens_by
-        owner[base + (v_scale if slot % 2 else k_scale)] = scales_by
-    return owner
+    """The token owning each byte of one ``[2 * heads, 128, 72]`` main page:
+    each head slot is a one-head FlashInfer NVFP4 side (data, then scales: K
+    linear, V in the 4-token order)."""
+    sides = [
+        side_owner(1, PAGE_TOKENS, 128, hnd=True, swizzled=s % 2 == 1) for s in range(2 * heads)
+    ]
+    return np.concatenate(sides)
 
 
 @functools.cache
@@ -147,14 +142,12 @@ def _indexer_covers(page: LayerPage) -> bool:
     quantization inside the cell (the spec's own quant mode is NONE)."""
     return (
         page.quant_mode == "NONE"
-        and getattr(page.field("cache_role"), "name", None) == "INDEXER"
+        and single_row(page)
+        and indexer_role(page)
         and page.field("dtype") == torch.uint8
-        and page.field("num_kv_heads") == 1
         and page.field("head_size") == CELL_BYTES
-        and page.field("head_size_v", 0) == 0
         and page.field("num_head_slots") is None
         and page.field("state_content_bytes") is None
-        and page.field("tokens_per_state", 1) == 1
     )
 
 

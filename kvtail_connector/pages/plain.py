@@ -10,6 +10,8 @@ place (none, or per-tensor fp8). Anything else needs its own map.
 
 from __future__ import annotations
 
+import torch
+
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
 from kvtail_connector.pages.views import check_view
@@ -74,6 +76,29 @@ def unpacked(page: LayerPage) -> bool:
         and page.field("num_head_slots") is None
         and page.field("state_content_bytes") is None
         and not page.field("kv_head_major_slots", False)
+    )
+
+
+def kv_planes(page: LayerPage) -> bool:
+    """K and V published as two head slots of ``Hkv * D`` elements each (a
+    ``[N, Hkv*D]`` plane per side), elements stored in place."""
+    heads, head_size = int(page.field("num_kv_heads", 0)), int(page.field("head_size", 0))
+    dtype = page.field("dtype")
+    elem = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+    return (
+        page.quant_mode in IN_PLACE_MODES
+        and page.field("num_head_slots") == 2
+        and page.field("state_content_bytes") == heads * head_size * elem
+        and not page.field("kv_head_major_slots", False)
+    )
+
+
+def single_row(page: LayerPage) -> bool:
+    """One row per token and no V: a single KV head (an MLA latent, an index key)."""
+    return (
+        page.field("num_kv_heads") == 1
+        and page.field("head_size_v", 0) == 0
+        and page.field("tokens_per_state", 1) == 1
     )
 
 

@@ -42,7 +42,7 @@ from kvtail_connector.ops.geometry import PageRegion, RegionCache
 from kvtail_connector.ops.ownership import regions_from_owner
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
-from kvtail_connector.pages.plain import IN_PLACE_MODES, fused_writer_hint, plain_view
+from kvtail_connector.pages.plain import fused_writer_hint, kv_planes, plain_view
 from kvtail_connector.pages.views import check_view
 
 _B = "vllm.v1.attention.backends."
@@ -62,7 +62,7 @@ OCTAVE_MODES = frozenset({"OCTAVE_K3V4", "OCTAVE_K3V3", "OCTAVE_K3V3_COMPACT"})
 _SCALE_BYTES = 4  # one fp32 scale per (token, head) and side
 
 
-def _one_cell_per_head(page: LayerPage) -> bool:
+def one_cell_per_head(page: LayerPage) -> bool:
     """A packed cell per (token, KV head): nothing but the content reshaped."""
     return (
         page.field("state_content_bytes") is not None
@@ -80,7 +80,7 @@ def _elem(page: LayerPage) -> int:
 def _per_token_head(page: LayerPage) -> bool:
     """TritonAttentionBackend.customize_spec's cell: (hs_k + hs_v) * elem + 2
     fp32 scales, halved head sizes for int4."""
-    if page.quant_mode not in PER_TOKEN_HEAD_MODES or not _one_cell_per_head(page):
+    if page.quant_mode not in PER_TOKEN_HEAD_MODES or not one_cell_per_head(page):
         return False
     hs_k, hs_v = int(page.field("head_size", 0)), int(page.field("head_size_v", 0))
     if page.quant_mode == "INT4_PER_TOKEN_HEAD":
@@ -91,13 +91,9 @@ def _per_token_head(page: LayerPage) -> bool:
 
 def _b12x_planes(page: LayerPage) -> bool:
     """B12xPagedAttentionBackend.customize_spec: K and V planes of Hkv*D."""
-    heads, head_size = int(page.field("num_kv_heads", 0)), int(page.field("head_size", 0))
     return (
-        page.quant_mode in IN_PLACE_MODES
-        and page.field("head_size_v") == head_size
-        and page.field("num_head_slots") == 2
-        and page.field("state_content_bytes") == heads * head_size * _elem(page)
-        and not page.field("kv_head_major_slots", False)
+        kv_planes(page)
+        and page.field("head_size_v") == page.field("head_size")
         and page.field("tokens_per_state", 1) == 1
     )
 
@@ -112,7 +108,7 @@ def _turboquant_config(preset: str, head_size: int) -> Any:
 
 def _turboquant(page: LayerPage) -> bool:
     """TurboQuantAttentionBackend.customize_spec: one slot_size_aligned slot."""
-    if page.quant_mode not in TURBOQUANT_MODES or not _one_cell_per_head(page):
+    if page.quant_mode not in TURBOQUANT_MODES or not one_cell_per_head(page):
         return False
     config = _turboquant_config(page.quant_mode.lower(), int(page.field("head_size")))
     return bool(page.field("state_content_bytes") == config.slot_size_aligned)
@@ -127,7 +123,7 @@ def _soa_store(page: LayerPage) -> bool | None:
 
 def _ultraquant(page: LayerPage) -> bool:
     """UltraQuantAttentionBackend.customize_spec: one format.slot_size slot."""
-    if page.quant_mode != "ULTRAQUANT_4BIT" or not _one_cell_per_head(page):
+    if page.quant_mode != "ULTRAQUANT_4BIT" or not one_cell_per_head(page):
         return False
     from vllm.v1.attention.ops.ultraquant.format import slot_size
 
@@ -146,7 +142,7 @@ def _ultraquant_view(page: LayerPage) -> PageCache:
 
 
 def _octave(page: LayerPage) -> bool:
-    return page.quant_mode in OCTAVE_MODES and _one_cell_per_head(page)
+    return page.quant_mode in OCTAVE_MODES and one_cell_per_head(page)
 
 
 def soa_owner(heads: int, tokens: int, data_bytes: int, fields: int, cell: int) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageMap
 from kvtail_connector.pages.plain import one_row_view, plain_view, unpacked
+from kvtail_connector.pages.quantized import one_cell_per_head
 
 _Q = "vllm.models.qwen4_exp."
 
@@ -76,10 +77,7 @@ def _octave(page: LayerPage) -> bool:
     return (
         page.quant_mode.startswith("OCTAVE_")
         and page.kv_cache_dtype in _OCTAVE_DTYPES
-        and page.field("state_content_bytes") is not None
-        and page.field("num_head_slots") is None
-        and not page.field("kv_head_major_slots", False)
-        and page.field("tokens_per_state", 1) == 1
+        and one_cell_per_head(page)
     )
 
 

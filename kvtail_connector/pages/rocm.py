@@ -30,7 +30,7 @@ from kvtail_connector.ops.geometry import PageRegion, RegionCache
 from kvtail_connector.ops.ownership import regions_from_owner
 from kvtail_connector.pages.layer import LayerPage
 from kvtail_connector.pages.maps import PageCache, PageMap
-from kvtail_connector.pages.plain import IN_PLACE_MODES, fused_writer_hint
+from kvtail_connector.pages.plain import fused_writer_hint, kv_planes
 from kvtail_connector.pages.views import check_view
 
 
@@ -104,13 +104,8 @@ def _planes(page: LayerPage) -> bool:
     specs both backends' ``customize_spec`` make), on a layer whose backend
     uses the planes (``_compat.rocm_v_interleaved``), written by the backend's
     own writers (not AITER's fused QK-norm/RoPE/KV insert)."""
-    spec = page.spec
-    heads, head_size = int(spec.num_kv_heads), int(spec.head_size)
     return (
-        page.quant_mode in IN_PLACE_MODES
-        and page.field("num_head_slots") == 2
-        and page.field("state_content_bytes") == heads * head_size * spec.dtype.itemsize
-        and not page.field("kv_head_major_slots", False)
+        kv_planes(page)
         and page.engine.fused_kv_writer is None
         and _compat.rocm_v_interleaved(page.backend_name, page.layer) is not None
     )

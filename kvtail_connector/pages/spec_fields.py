@@ -15,27 +15,25 @@ import dataclasses
 from typing import Any
 
 # Fields a page map reads, or that the view already reflects (sizes, dtype,
-# padding at the end of a page, tokens per stored state).
-SHAPES_PAGE = frozenset(
-    {
-        "block_size",
-        "num_kv_heads",
-        "head_size",
-        "head_size_v",
-        "dtype",
-        "kv_quant_mode",
-        "page_size_padded",
-        "num_head_slots",
-        "state_content_bytes",
-        "kv_head_major_slots",
-        "tokens_per_state",
-        "block_stride_alignment",
-        "alignment",
-        "cache_dtype_str",
-        "model_version",
-        "cache_role",
-    }
+# padding at the end of a page, tokens per stored state). NAMED: those a
+# refusal names with their values, in that order (the others only size the page).
+NAMED = (
+    "kv_quant_mode",
+    "num_kv_heads",
+    "head_size",
+    "head_size_v",
+    "dtype",
+    "num_head_slots",
+    "state_content_bytes",
+    "kv_head_major_slots",
+    "tokens_per_state",
+    "block_stride_alignment",
+    "page_size_padded",
+    "cache_dtype_str",
+    "model_version",
+    "cache_role",
 )
+SHAPES_PAGE = frozenset({"block_size", "alignment", *NAMED})
 
 # Fields about scheduling, parallelism or attention masks: where tokens sit in
 # a page does not depend on them.

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from kvtail_connector.pages.layer import LayerPage
-from kvtail_connector.pages.maps import PageCache, PageMap
+from kvtail_connector.pages.maps import PageMap
 from kvtail_connector.pages.plain import plain_view, unpacked
-from kvtail_connector.pages.views import check_view
+from kvtail_connector.pages.views import dense_rows
 
 _S = "vllm.models.step5."
 
@@ -64,18 +64,6 @@ def _summary(page: LayerPage) -> bool:
     )
 
 
-def _summary_rows(page: LayerPage) -> PageCache:
-    check_view(page)
-    view = page.view
-    if view.shape[1] != 1 or view.stride(2) != SUMMARY_BYTES:
-        # summary_layout() asserts the same of the bound [B, R, 256] view.
-        raise ValueError(
-            f"expected [B, 1, R, {SUMMARY_BYTES}] with contiguous summaries, got shape "
-            f"{tuple(view.shape)} strides {tuple(view.stride())}"
-        )
-    return view
-
-
 DSA = PageMap(
     layout="Step5 DSA K/V (plain cells)",
     backends=frozenset({DSA_BACKEND}),
@@ -87,7 +75,7 @@ SUMMARY = PageMap(
     layout="Step5 CSA region summaries (plain, one state per 8 tokens)",
     backends=SUMMARY_BACKENDS,
     covers=_summary,
-    cache=_summary_rows,
+    cache=dense_rows,  # summary_layout() asserts the same of the bound [B, R, 256] view
 )
 
 MAPS = (DSA, SUMMARY)

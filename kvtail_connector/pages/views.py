@@ -4,16 +4,9 @@ with ``C * elem == state_content_size_bytes``)."""
 
 from __future__ import annotations
 
+import torch
+
 from kvtail_connector.pages.layer import LayerPage
-
-
-def spec_cell_bytes(page: LayerPage) -> int:
-    """Bytes of one ``(head slot, state)`` cell, as the spec sizes it."""
-    spec = page.spec
-    size = getattr(spec, "state_content_size_bytes", None)
-    if size is None:
-        raise ValueError("the spec has no state_content_size_bytes")
-    return int(size)
 
 
 def check_view(page: LayerPage) -> tuple[int, int, int]:
@@ -28,7 +21,10 @@ def check_view(page: LayerPage) -> tuple[int, int, int]:
     _, heads, slots, content = (int(x) for x in view.shape)
     cell = content * view.element_size()
     expected_heads = int(getattr(page.spec, "num_heads", heads))
-    expected_cell = spec_cell_bytes(page)
+    expected_cell = getattr(page.spec, "state_content_size_bytes", None)
+    if expected_cell is None:
+        raise ValueError("the spec has no state_content_size_bytes")
+    expected_cell = int(expected_cell)
     if heads != expected_heads or cell != expected_cell:
         raise ValueError(
             f"the view {tuple(view.shape)} of {view.dtype} does not match the spec "
@@ -37,3 +33,16 @@ def check_view(page: LayerPage) -> tuple[int, int, int]:
     if view.stride(3) != 1:
         raise ValueError(f"the view's last dim is strided ({tuple(view.stride())})")
     return heads, slots, cell
+
+
+def dense_rows(page: LayerPage) -> torch.Tensor:
+    """The view, once checked to be one contiguous ``[N, C]`` run per page
+    (a single head slot, rows one cell apart)."""
+    _, _, cell = check_view(page)
+    view = page.view
+    if view.shape[1] != 1 or view.stride(2) * view.element_size() != cell:
+        raise ValueError(
+            f"expected [B, 1, N, C] with rows {cell} bytes apart, got shape "
+            f"{tuple(view.shape)} strides {tuple(view.stride())}"
+        )
+    return view
