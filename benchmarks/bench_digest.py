@@ -38,7 +38,7 @@ import time
 import torch
 from digest_variants import _read_pages, device_ms, kernel_only, make_cache
 
-from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
+from kvtail_connector.extras.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
 
 TARGET_RATIO = 0.85  # of a plain read of the same bytes
 

@@ -33,10 +33,11 @@ from without_vllm import install_if_absent
 install_if_absent()
 
 from kvtail_connector.cache_sets import CacheSet  # noqa: E402
-from kvtail_connector.entry import Digest  # noqa: E402
-from kvtail_connector.features.kv_verification import rank_digests  # noqa: E402
-from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord  # noqa: E402
-from kvtail_connector.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
+from kvtail_connector.extras.entry import Digest  # noqa: E402
+from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
+from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest  # noqa: E402
+from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
+from kvtail_connector.metadata import GroupLoad  # noqa: E402
 
 BLOCK = 16
 SIZES = [(1, 1024), (1, 8192), (1, 131072), (16, 1024), (16, 8192)]
@@ -83,7 +84,7 @@ def main() -> int:
         per = -(-n // BLOCK)
         perm = rng.permutation(num_blocks)
         records = [
-            LoadRecord(
+            CheckedLoad(
                 f"r{i}",
                 0,
                 n,
@@ -96,7 +97,7 @@ def main() -> int:
         sums = {0: {h: tuple(int(v) for v in rng.integers(0, 2**63, n_seg)) for h in range(8)}}
         dg = Digest(rank_digests.ALGORITHM, segment, digests.signature, sums)
         loads = [
-            LoadRecord(r.req_id, 0, n, r.groups, expected=ExpectedDigest(n, dg)) for r in records
+            CheckedLoad(r.req_id, 0, n, r.groups, expected=ExpectedDigest(n, dg)) for r in records
         ]
         planned: list = []
 

@@ -47,7 +47,7 @@ VLLM_STOOD_IN = install_if_absent()  # before anything below imports vLLM
 
 from digest_variants import device_ms  # noqa: E402
 
-from kvtail_connector.ops.state_digest import StateDigester, StateLayer  # noqa: E402
+from kvtail_connector.extras.ops.state_digest import StateDigester, StateLayer  # noqa: E402
 
 DEVICE = "cuda"  # tests/unit/test_bench_state_digest_cpu.py runs the rows on "cpu"
 REQUESTS = (1, 16, 64)

@@ -43,14 +43,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
 )
 
+from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement  # noqa: E402
+from kvtail_connector.extras.metadata import (  # noqa: E402
+    CheckedLoad,
+    EntryStep,
+    ExpectedDigest,
+    LoadCheck,
+)
+from kvtail_connector.extras.worker import EntryFeaturesWorker  # noqa: E402
 from kvtail_connector.features.zeroing import RankPlacement  # noqa: E402
 from kvtail_connector.kvgroups import GroupInfo  # noqa: E402
-from kvtail_connector.metadata import (  # noqa: E402
-    ExpectedDigest,
-    GroupLoad,
-    KVTailMetadata,
-    LoadRecord,
-)
+from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
 from kvtail_connector.policy import TailPolicy  # noqa: E402
 from kvtail_connector.stats import KVTailStats  # noqa: E402
 from kvtail_connector.worker import TailWorker  # noqa: E402
@@ -124,23 +127,25 @@ def build_worker(
         num_blocks=num_blocks,
         kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)],
     )
+    policy = TailPolicy(
+        zeroes_tails=True,
+        zeroes_failed_loads=False,
+        records_every_load=False,
+        zeroes_read_tails=True,
+        excludes_reads=False,
+        zeroes_reads_by_layer=read_tails_by_layer,
+        holds_completions=False,
+        probes=False,
+        vouches_for_tails=True,
+        producer_hook="wait_for_save",
+        digests_prompts=digest,
+        verifies_loads=digest,
+    )
     worker = TailWorker(
         (GroupInfo(0, True, BLOCK_TOKENS, 1),),
         RankPlacement(),
-        TailPolicy(
-            zeroes_tails=True,
-            zeroes_failed_loads=False,
-            records_every_load=False,
-            zeroes_read_tails=True,
-            excludes_reads=False,
-            zeroes_reads_by_layer=read_tails_by_layer,
-            holds_completions=False,
-            probes=False,
-            vouches_for_tails=True,
-            producer_hook="wait_for_save",
-            digests_prompts=digest,
-            verifies_loads=digest,
-        ),
+        policy,
+        extra=lambda caches: EntryFeaturesWorker(caches, policy, rank_id=0, heads=HeadPlacement()),
         stats=KVTailStats(),
     )
     worker.register_kv_caches(
@@ -150,12 +155,12 @@ def build_worker(
     return worker
 
 
-def records(n: int, num_blocks: int, *, vouched: bool = False) -> tuple[LoadRecord, ...]:
+def records(n: int, num_blocks: int) -> tuple[LoadRecord, ...]:
     out = []
     for i in range(n):
         loaded = 3 * BLOCK_TOKENS + 1 + i % (BLOCK_TOKENS - 1)
         blocks = tuple((4 * i + j) % num_blocks for j in range(4))
-        out.append(LoadRecord(f"r{i}", 0, loaded, (GroupLoad(0, 0, blocks),), vouched=vouched))
+        out.append(LoadRecord(f"r{i}", 0, loaded, (GroupLoad(0, 0, blocks),)))
     return tuple(out)
 
 
@@ -188,8 +193,10 @@ def read_tail_rows(reps: int, bare, layers: int = 80, num_blocks: int = 1024) ->
     names = [f"layer.{i}" for i in range(layers)]
     rows = []
     for n in (1, 16):
-        meta = KVTailMetadata(inner=None, read_loads=records(n, num_blocks))  # type: ignore[arg-type]
-        trusted = KVTailMetadata(inner=None, read_loads=records(n, num_blocks, vouched=True))  # type: ignore[arg-type]
+        reads = records(n, num_blocks)
+        meta = KVTailMetadata(inner=None, read_loads=reads)  # type: ignore[arg-type]
+        vouched = EntryStep(vouched=frozenset(r.req_id for r in reads))
+        trusted = KVTailMetadata(inner=None, read_loads=reads, extra=vouched)  # type: ignore[arg-type]
 
         def at_start(meta=meta):
             worker.bind(meta)
@@ -225,7 +232,8 @@ def producer_rows(reps: int, bare, layers: int = 80, num_blocks: int = 1024) -> 
     worker = build_worker(layers, num_blocks)
     rows = []
     for n in (1, 16):
-        meta = KVTailMetadata(inner=None, producer_tails=producer_records(n, num_blocks))  # type: ignore[arg-type]
+        step = EntryStep(producer_tails=producer_records(n, num_blocks))
+        meta = KVTailMetadata(inner=None, extra=step)  # type: ignore[arg-type]
 
         def bind(meta=meta):
             worker.bind(meta)
@@ -257,11 +265,11 @@ def producer_rows(reps: int, bare, layers: int = 80, num_blocks: int = 1024) -> 
     return rows
 
 
-def digest_records(n: int, tokens: int, num_blocks: int) -> tuple[LoadRecord, ...]:
+def digest_records(n: int, tokens: int, num_blocks: int) -> tuple[CheckedLoad, ...]:
     """``n`` prompts of ``tokens`` tokens each, every block of them."""
     per = -(-tokens // BLOCK_TOKENS)
     return tuple(
-        LoadRecord(
+        CheckedLoad(
             f"d{i}",
             0,
             tokens,
@@ -282,13 +290,13 @@ def digest_rows(
     rows = []
     for n, tokens in sizes:
         recs = digest_records(n, tokens, num_blocks)
-        meta = KVTailMetadata(inner=None, producer_digests=recs)  # type: ignore[arg-type]
+        meta = KVTailMetadata(inner=None, extra=EntryStep(producer_digests=recs))  # type: ignore[arg-type]
         parts: dict = {}
 
         def produce(meta=meta, parts=parts):
             worker.bind(meta)
             worker.produce()
-            parts.update(worker.worker_meta(None).digests)
+            parts.update(worker.worker_meta(None).extra.digests)
 
         def read_back(parts=parts):
             for part in parts.values():
@@ -300,13 +308,9 @@ def digest_rows(
         p_host = host_time(produce, reps)
         p_read = host_time(lambda: (produce(), read_back()), reps)
         p_dev = sorted(device_us(produce) for _ in range(11))[5]
-        loads = tuple(
-            LoadRecord(
-                r.req_id, 0, tokens, r.groups, expected=ExpectedDigest(tokens, expected[r.req_id])
-            )
-            for r in recs
-        )
-        load_meta = KVTailMetadata(inner=None, loads=loads)  # type: ignore[arg-type]
+        loads = tuple(LoadRecord(r.req_id, 0, tokens, r.groups) for r in recs)
+        checks = {r.req_id: LoadCheck(ExpectedDigest(tokens, expected[r.req_id])) for r in recs}
+        load_meta = KVTailMetadata(inner=None, loads=loads, extra=EntryStep(checks=checks))  # type: ignore[arg-type]
         finished = {r.req_id for r in loads}
         done = KVConnectorTransferResults(finished_recving=finished)
 
@@ -318,7 +322,7 @@ def digest_rows(
 
         def drain(out):
             failed = set(out.failed_recving)
-            while worker._verify.held():  # held: the next passes release them
+            while worker.held_requests():  # held: the next passes release them
                 out = worker.transfer_results(KVConnectorTransferResults(), set(), _NoLoadErrors())
                 failed |= out.failed_recving
             assert not failed, "the digest must match"

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
+from kvtail_connector.extras.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
 
 SLEEP_CYCLES = 10_000_000  # ~5 ms at 2 GHz: longer than any enqueue here
 
@@ -114,7 +114,7 @@ def device_ms(fn, reps: int) -> float:
 def kernel_only(digester: KVDigester, requests) -> Any:
     """A function launching the kernel alone on a pre-staged work buffer (the
     sums it adds up are not read)."""
-    from kvtail_connector.ops.digest.plan import choose_chunk, work_buffer
+    from kvtail_connector.extras.ops.digest.plan import choose_chunk, work_buffer
 
     _, kinds, n_cells, row_tokens = digester._plan(requests)
     chunk = digester.chunk_tokens or choose_chunk(row_tokens, digester._programs, digester.segment)

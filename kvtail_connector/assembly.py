@@ -8,11 +8,16 @@ vLLM's config and the adapter state about this engine -> the policy
 :class:`~kvtail_connector.scheduler.TailScheduler` or the
 :class:`~kvtail_connector.worker.TailWorker`. Every refusal is raised here, at
 start-up, before any hook runs; the facade keeps only what its hooks use.
+
+This is the one place the opt-in features (``kvtail_connector.extras``) are
+wired in, imported only where the policy turns one on: a package without
+that folder runs the core, and refuses the settings that need it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,13 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, entry, name_keyed, trust
+from kvtail_connector import _compat, name_keyed
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.features.entry_features import EntryFeatures
-from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.extension import SchedulerExtra, WorkerExtra
 from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.features.zeroing import RankPlacement
+from kvtail_connector.features.zeroing import RankCaches, RankPlacement
 from kvtail_connector.inner import (
     BACKEND_FIELD,
     Resolved,
@@ -38,7 +42,7 @@ from kvtail_connector.inner import (
     hma_blocker,
     resolve,
 )
-from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.kvgroups import GroupInfo, group_infos
 from kvtail_connector.log import get_logger
 from kvtail_connector.policy import ProducerHook, TailPolicy, resolve_policy
 from kvtail_connector.scheduler import TailScheduler
@@ -112,15 +116,19 @@ def assemble(
     assert vllm_config.kv_transfer_config is not None, "checked by the base class"
     resolved = resolve(vllm_config.kv_transfer_config)
     cfg = resolved.cfg
-    entry_key = trust.key_from_env(cfg.entry_key_env)  # refused here when named but unset
+    extras = extras_installed()
+    entry_key = _entry_key(cfg) if extras else None
     adapter, inner = _inner(resolved, vllm_config, role, kv_cache_config)
     facts = _engine_facts(vllm_config, kv_cache_config, adapter)
-    policy = resolve_policy(cfg, **dataclasses.asdict(facts))
+    policy = resolve_policy(cfg, **dataclasses.asdict(facts), extras_installed=extras)
     # Said at start-up: an auto producer that does not vouch where trust would.
     trust_would_vouch = (
-        cfg.vouch_tails == "auto"
+        extras
+        and cfg.vouch_tails == "auto"
         and resolve_policy(
-            cfg.model_copy(update={"vouch_tails": "trust"}), **dataclasses.asdict(facts)
+            cfg.model_copy(update={"vouch_tails": "trust"}),
+            **dataclasses.asdict(facts),
+            extras_installed=extras,
         ).vouches_for_tails
     )
     stats = KVTailStats(inner_connector=connector_path(resolved.inner_cls))
@@ -224,29 +232,12 @@ def _one_side(
     dcp_rank, dcp_world = _compat.dcp_rank_and_world(_compat.dcp_world_size(parallel), role)
     groups = group_infos(kv_cache_config, dcp_world)
     if role == KVConnectorRole.SCHEDULER:
-        specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
-        geometry = entry.geometry(
-            [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
-            dcp_world,
-            _compat.dcp_interleave_size(parallel),
-        )
         records = LoadRecords(inner, groups, records_every_load=policy.records_every_load)
         extra = (
-            EntryFeatures(
-                records,
-                policy,
-                stats,
-                geometry=geometry,
-                num_workers=_compat.worker_count(parallel),
-                limits=entry.Limits(
-                    max_tokens=int(vllm_config.model_config.max_model_len),
-                    num_groups=len(kv_cache_config.kv_cache_groups),
-                    num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
-                ),
-                min_block_size=min((int(s.block_size) for s in specs), default=16),
-                key=entry_key,
+            _scheduler_extra(
+                vllm_config, kv_cache_config, groups, dcp_world, records, policy, stats, entry_key
             )
-            if EntryFeatures.needed(policy)
+            if needs_extra(policy)
             else None
         )
         scheduler = TailScheduler(
@@ -254,18 +245,114 @@ def _one_side(
         )
         return scheduler, None
     placement = RankPlacement(dcp_rank, dcp_world, _compat.dcp_interleave_size(parallel))
-    worker = TailWorker(
+    worker = build_worker(
         groups,
         placement,
         policy,
         counts_requests=_compat.counts_requests_on_this_rank(),
         rank=_compat.worker_rank(),
         stats=stats,
-        heads=HeadPlacement(*_compat.kv_head_placement(vllm_config))
-        if policy.digests_prompts or policy.verifies_loads
-        else None,
+        heads=(
+            _compat.kv_head_placement(vllm_config)
+            if policy.digests_prompts or policy.verifies_loads
+            else None
+        ),
     )
     return None, worker
+
+
+# ---------------------------------------------------------------- the extras
+
+
+def extras_installed() -> bool:
+    """Whether this package holds the opt-in features (``kvtail_connector.extras``)."""
+    return importlib.util.find_spec("kvtail_connector.extras") is not None
+
+
+def needs_extra(policy: TailPolicy) -> bool:
+    """Whether ``policy`` turns on an opt-in feature (producer claims, KV verification)."""
+    return (
+        policy.vouches_for_tails
+        or policy.checks_claims
+        or policy.digests_prompts
+        or policy.verifies_loads
+    )
+
+
+def _entry_key(cfg: KVTailConfig) -> bytes | None:
+    from kvtail_connector.extras import trust
+
+    return trust.key_from_env(cfg.entry_key_env)  # refused here when named but unset
+
+
+def _scheduler_extra(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    groups: tuple[GroupInfo, ...],
+    dcp_world: int,
+    records: LoadRecords,
+    policy: TailPolicy,
+    stats: KVTailStats,
+    entry_key: bytes | None,
+) -> SchedulerExtra:
+    from kvtail_connector.extras import entry
+    from kvtail_connector.extras.scheduler import EntryFeatures
+
+    parallel = vllm_config.parallel_config
+    specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
+    geometry = entry.geometry(
+        [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
+        dcp_world,
+        _compat.dcp_interleave_size(parallel),
+    )
+    return EntryFeatures(
+        records,
+        policy,
+        stats,
+        geometry=geometry,
+        num_workers=_compat.worker_count(parallel),
+        limits=entry.Limits(
+            max_tokens=int(vllm_config.model_config.max_model_len),
+            num_groups=len(kv_cache_config.kv_cache_groups),
+            num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
+        ),
+        min_block_size=min((int(s.block_size) for s in specs), default=16),
+        key=entry_key,
+    )
+
+
+def build_worker(
+    groups: tuple[GroupInfo, ...],
+    placement: RankPlacement,
+    policy: TailPolicy,
+    *,
+    counts_requests: bool = True,
+    rank: int = 0,
+    stats: KVTailStats,
+    heads: tuple[int, int, int] | None = None,
+) -> TailWorker:
+    """The worker side, with the opt-in features' half where the policy
+    turns one on (``heads``: this rank's ``(tp_rank, tp_size, num_kv_heads)``,
+    for ``verify_kv``)."""
+    make_extra = None
+    if needs_extra(policy):
+        from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+        from kvtail_connector.extras.worker import EntryFeaturesWorker
+
+        placement_of_heads = HeadPlacement(*heads) if heads is not None else HeadPlacement()
+
+        def make_extra(caches: RankCaches) -> WorkerExtra:
+            return EntryFeaturesWorker(caches, policy, rank_id=rank, heads=placement_of_heads)
+
+    return TailWorker(
+        groups,
+        placement,
+        policy,
+        counts_requests=counts_requests,
+        rank=rank,
+        stats=stats,
+        extra=make_extra,
+    )
 
 
 def _vouch_summary(policy: TailPolicy, trust_would_vouch: bool) -> str:

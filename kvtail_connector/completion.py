@@ -3,8 +3,8 @@
 Each pass zeroes what completed (every part's work in one launch, before the
 result returns: the scheduler cannot hand those blocks on before it sees
 it), then lets each hold keep back what must wait (consumer tails: zeroing
-not executed; verification: digest not compared; load errors: loads to
-report failed). Every completion reaches vLLM exactly once, whatever failed
+not executed; the opt-in features: a digest not compared; load errors: loads
+to report failed). Every completion reaches vLLM exactly once, whatever failed
 before: a pass that raised is answered by :meth:`CompletionPasses.contain`,
 and one whose fallback raised too by the facade
 (:func:`~kvtail_connector.worker.every_completion_failed`), which the next
@@ -14,17 +14,16 @@ pass settles first.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvtail_connector.extension import WorkerExtra
 from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker, Pending
-from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
-from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.zeroing import RankCaches, StaleSlots
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import LoadRecord
 from kvtail_connector.policy import TailPolicy
 
 logger = get_logger(__name__)
@@ -37,8 +36,8 @@ class CompletionPasses:
     Args:
         rank: this rank's caches.
         policy: what this worker zeroes and holds.
-        tails, errors, claims, verify: the worker's parts (claims and verify
-            None where the policy turns them off).
+        tails, errors: the worker's core parts.
+        extra: the opt-in features' worker half, or None.
     """
 
     def __init__(
@@ -47,15 +46,13 @@ class CompletionPasses:
         policy: TailPolicy,
         tails: ConsumerTailsWorker,
         errors: LoadErrorsWorker,
-        claims: ClaimsWorker | None,
-        verify: VerificationWorker | None,
+        extra: WorkerExtra | None,
     ) -> None:
         self._rank = rank
         self._policy = policy
         self._tails = tails
         self._errors = errors
-        self._claims = claims
-        self._verify = verify
+        self._extra = extra
         # Clean completions may take the packed path (the probe reads items).
         self._bulk = policy.zeroes_tails and not policy.probes
 
@@ -64,8 +61,8 @@ class CompletionPasses:
     ) -> KVConnectorTransferResults:
         """The runner's ``get_transfer_results``: the inner connector's
         ``results``, after zeroing what completed, with completions held back
-        while their zeroing has not executed (``holds_completions``) and,
-        with ``verify_kv``, while their digest is not on the host.
+        while their zeroing has not executed (``holds_completions``) and
+        while the extra holds them (a digest not on the host).
 
         Every completion reaches vLLM exactly once, whatever failed before:
         a pass that raised is answered by :meth:`contain`, and one whose
@@ -78,10 +75,10 @@ class CompletionPasses:
             # among those the next one settles.
             errors.begin(results, finished_req_ids)
             self._settle_unanswered()
-        verify = self._verify
+        extra = self._extra
         if not (
             results.finished_recving or finished_req_ids or self._tails.num_held or errors.owes
-        ) and (verify is None or verify.idle):
+        ) and (extra is None or extra.idle):
             # The usual pass: nothing completed or finished, nothing held.
             if errors.has_open:
                 errors.answered()  # the pass begun to settle earlier ones
@@ -92,8 +89,8 @@ class CompletionPasses:
         if results.finished_recving:
             zeroed = self.zero_completed(results.finished_recving, results.failed_recving, inner)
         results = self._tails.hold(results, zeroed)
-        if verify is not None:
-            results = verify.hold(results)
+        if extra is not None:
+            results = extra.hold(results)
         results = errors.report_failing(results, finished_req_ids)
         # Returned to vLLM: a later failed pass need not report these again
         # (until here, contain does).
@@ -104,8 +101,8 @@ class CompletionPasses:
         """The answer of the pass in progress leaves this worker: what its
         holds released, and what was owed, has reached vLLM."""
         self._tails.reported()
-        if self._verify is not None:
-            self._verify.reported()
+        if self._extra is not None:
+            self._extra.reported()
         self._errors.answered()
 
     def zero_completed(
@@ -147,13 +144,12 @@ class CompletionPasses:
     def _complete_each(self, done: list[Pending], failed: set[str]) -> set[str]:
         """Completed loads one by one: aborted ones dropped; with the KV cache
         released, reported failed; failed or invalid ones' blocks zeroed (where
-        vLLM does not); digests launched; vouched tails checked; every tail
-        zeroed in one launch. Returns the requests it zeroed for."""
+        vLLM does not); the extra's work on the clean ones (digests launched,
+        vouched tails checked); every tail zeroed in one launch. Returns the
+        requests it zeroed for."""
         errors, rank, policy, tails = self._errors, self._rank, self._policy, self._tails
         batches: list[StaleSlots] = []
-        vouched: list[StaleSlots] = []
-        vouched_records: list[LoadRecord] = []
-        checks: list[LoadRecord] = []  # verify_kv: loads to digest
+        clean: list[Pending] = []
         num_tails = 0  # requests
         for pending in done:
             record = pending.record
@@ -177,23 +173,23 @@ class CompletionPasses:
                 if policy.zeroes_failed_loads:
                     batches.append(errors.stale_blocks(record, invalid))
                 continue
-            if record.expected is not None:
-                checks.append(record)
-            if policy.zeroes_tails:
-                batch = rank.stale_tail(record)
-                if record.vouched and self._claims is not None:
-                    vouched.append(batch)
-                    vouched_records.append(record)
+            clean.append(pending)
+        settled: AbstractSet[str] = frozenset()
+        extra = self._extra
+        if extra is not None:
+            completed = extra.completed([pending.record for pending in clean])
+            extra.forget(pending.record.req_id for pending in done)
+            settled = completed.settled
+            batches += completed.to_zero
+            num_tails += completed.num_tails
+        if policy.zeroes_tails:
+            for pending in clean:
+                if pending.record.req_id in settled:
                     continue
+                batch = rank.stale_tail(pending.record)
                 if batch.items:
                     batches.append(batch)
                 num_tails += pending.has_tail
-        if checks and self._verify is not None:
-            self._verify.check(checks)
-        if vouched and self._claims is not None:
-            false, false_tails = self._claims.check_vouched(vouched, vouched_records)
-            batches += false
-            num_tails += false_tails
         rank.zero(batches)
         # Counted once the launch returned: a failed one zeroed nothing.
         rank.count_tails(num_tails)
@@ -222,7 +218,7 @@ class CompletionPasses:
         done = set(results.finished_recving)
         self._take_holds(done)
         done |= errors.owed
-        self._tails.drop(done)
+        self._drop_loads(done)
         errors.forget(done, finished_req_ids)
         self._answered()
         return KVConnectorTransferResults(
@@ -249,7 +245,7 @@ class CompletionPasses:
         self._tails.finished(finished)
         self._take_holds(reported)
         forgotten = reported | errors.owed
-        self._tails.drop(forgotten)
+        self._drop_loads(forgotten)
         errors.forget(forgotten, finished)
         errors.settled()
 
@@ -263,5 +259,11 @@ class CompletionPasses:
         if event is not None:
             event.synchronize()
         self._errors.owe(self._tails.drain() - reported)
-        if self._verify is not None:
-            self._errors.owe(self._verify.drop_held() - reported)
+        if self._extra is not None:
+            self._errors.owe(self._extra.drop_held() - reported)
+
+    def _drop_loads(self, req_ids: set[str]) -> None:
+        """Forget these loads in every part that keeps them."""
+        self._tails.drop(req_ids)
+        if self._extra is not None:
+            self._extra.forget(req_ids)

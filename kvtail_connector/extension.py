@@ -1,33 +1,36 @@
-"""Where an opt-in feature plugs into the scheduler side.
+"""Where an opt-in feature plugs into the core, on either side.
 
-The core (:class:`~kvtail_connector.scheduler.TailScheduler`) records what
-async loads leave stale, handles MoRIIO READs and contains failures on its
-own. Features that need more (producer claims and the KV digest, which travel
-in the ``kvtail`` entry) implement :class:`SchedulerExtra`; the assembly
-(:func:`kvtail_connector.assembly.assemble`) builds one where the policy
-turns a feature on and hands it to the scheduler, which calls each method at
-the point its name says. The core imports no feature to do so.
+The core (:class:`~kvtail_connector.scheduler.TailScheduler`,
+:class:`~kvtail_connector.worker.TailWorker`) records what async loads leave
+stale, zeroes it, handles MoRIIO READs and contains failures on its own.
+Features that need more (producer claims and the KV digest, which travel in
+the ``kvtail`` entry: ``kvtail_connector.extras``) implement
+:class:`SchedulerExtra` and :class:`WorkerExtra`; the assembly
+(:func:`kvtail_connector.assembly.assemble`) builds them where the policy
+turns a feature on and hands them to the sides, which call each method at the
+point its name says. The core imports no feature to do so. What a feature
+ships per load travels in its own payload (``KVTailMetadata.extra``,
+``KVTailWorkerMeta.extra``), keyed by request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvtail_connector.metadata import KVTailWorkerMeta, LoadRecord
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.features.zeroing import StaleSlots
 
 # The core's record of an async load: ``build(keep)`` is None where the load
 # leaves nothing to zero (block-aligned, or the core zeroes no tails), unless
 # ``keep``, which asks for a record all the same (a load to verify).
 BuildRecord = Callable[[bool], "LoadRecord | None"]
-
-
-class StepRecords(NamedTuple):
-    """What an extra ships to the workers with a step's metadata."""
-
-    producer_tails: tuple[LoadRecord, ...] = ()
-    producer_digests: tuple[LoadRecord, ...] = ()
 
 
 class SchedulerExtra(Protocol):
@@ -44,19 +47,21 @@ class SchedulerExtra(Protocol):
         self, request: Any, loaded: int, blocks: Any, groups: tuple[int, ...], build: BuildRecord
     ) -> LoadRecord | None:
         """The record the workers get for an async load of tokens up to
-        ``loaded`` into ``blocks`` (the groups ``groups``): ``build``'s, kept,
-        marked or attached to, or None."""
+        ``loaded`` into ``blocks`` (the groups ``groups``): ``build``'s, or
+        None. What the feature adds to it goes in its step payload."""
 
     def sync_load(self, request: Any) -> Any:
         """A synchronous READ was allocated: what :meth:`read_record` needs
         of it at the metadata (opaque to the core)."""
 
-    def read_record(self, request: Any, allocated: Any, record: LoadRecord) -> LoadRecord:
-        """A READ's tail record at the metadata (``allocated``: what
-        :meth:`sync_load` returned), marked where the feature says."""
+    def read_load(self, request: Any, allocated: Any, record: LoadRecord) -> None:
+        """A READ's tail record, at the metadata (``allocated``: what
+        :meth:`sync_load` returned)."""
 
-    def step_records(self, scheduler_output: Any, manager: Any) -> StepRecords:
-        """What the workers do for this step's completing prompts."""
+    def step_payload(self, scheduler_output: Any, manager: Any) -> Any:
+        """What the workers get this step (``KVTailMetadata.extra``): for the
+        step's completing prompts, and for the loads recorded since the last
+        call; None for nothing."""
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         """``request`` finished; ``params`` go into its output."""
@@ -72,6 +77,10 @@ class SchedulerExtra(Protocol):
     def contain_alloc(self, req_id: str) -> None:
         """The allocation hook of ``req_id`` failed."""
 
+    def contain_meta(self) -> None:
+        """``build_connector_meta`` failed: nothing recorded for this step's
+        payload is shipped (no claim is made, no load checked)."""
+
     def contain_output(self, connector_output: Any) -> None:
         """``update_connector_output`` failed: no grant from this call."""
 
@@ -79,6 +88,86 @@ class SchedulerExtra(Protocol):
         """``on_new_request`` or ``request_finished`` failed for ``req_id``."""
 
     def held(self) -> AbstractSet[str]:
+        """Requests held (the ``held_requests`` gauge)."""
+
+    @property
+    def num_tracked(self) -> int:
+        """Entries held (0 when idle: the leak check)."""
+
+
+class Completed(NamedTuple):
+    """What a :class:`WorkerExtra` did with the clean loads of a completion pass.
+
+    Attributes:
+        settled: the loads whose tail the feature settles (the core does not
+            zero it).
+        to_zero: what the feature asks the pass's one launch to zero.
+        num_tails: tails among ``to_zero`` (counted once the launch returned).
+    """
+
+    settled: AbstractSet[str] = frozenset()
+    to_zero: Sequence[StaleSlots] = ()
+    num_tails: int = 0
+
+
+class WorkerExtra(Protocol):
+    """The worker half of the features that travel in the ``kvtail`` entry."""
+
+    def register(
+        self, sets: list[CacheSet], kv_caches: Mapping[str, Any], kv_cache_config: Any
+    ) -> None:
+        """This rank's caches are mapped (``sets``: the zeroer's)."""
+
+    def release(self) -> None:
+        """Sleep mode released the KV memory."""
+
+    def restore(self) -> None:
+        """The KV memory is back."""
+
+    def forget_released(self) -> None:
+        """New caches supersede what sleep mode put away."""
+
+    def bind(
+        self, payload: Any, loads: tuple[LoadRecord, ...], read_loads: tuple[LoadRecord, ...]
+    ) -> AbstractSet[str]:
+        """This step's payload (``KVTailMetadata.extra``) and the core's new
+        async and READ loads. Returns the async loads the feature acts on at
+        completion (the core completes them one by one, through :meth:`completed`)."""
+
+    def produce(self) -> None:
+        """The producer hook, after the core's work in it."""
+
+    def reads_to_zero(self, records: list[LoadRecord], *, trusted: bool) -> list[LoadRecord]:
+        """The READ loads of ``records`` the core still zeroes (``trusted``:
+        a claim may skip one)."""
+
+    def completed(self, records: list[LoadRecord]) -> Completed:
+        """The clean loads of a pass (none failed, aborted or unmapped),
+        before its one launch."""
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """These loads left the core (completed, dropped or reported failed)."""
+
+    def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
+        """The pass's answer, with what the feature holds back or fails."""
+
+    def reported(self) -> None:
+        """What :meth:`hold` returned has reached vLLM."""
+
+    def drop_held(self) -> set[str]:
+        """After a contained failure: every load held, to report failed."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: a pass with nothing completed has nothing here to do."""
+
+    def report(self) -> Any:
+        """This step's report (``KVTailWorkerMeta.extra``)."""
+
+    def drop(self) -> None:
+        """A contained failure: nothing of this step's producer work is reported."""
+
+    def held(self) -> set[str]:
         """Requests held (the ``held_requests`` gauge)."""
 
     @property

@@ -187,6 +187,26 @@ def _digest_duties(
     return digests, is_consumer, None
 
 
+def _refuse_without_extras(cfg: KVTailConfig) -> None:
+    # "auto" (and "off") turn the features off without them; anything else asks for them.
+    asked = [
+        f"kv_connector_extra_config.{name}: {value!r}"
+        for name, value in (
+            ("vouch_tails", cfg.vouch_tails),
+            ("verify_kv", cfg.verify_kv),
+            ("entry_key_env", cfg.entry_key_env),
+        )
+        if value not in ("auto", "off", None)
+    ]
+    if asked:
+        raise ValueError(
+            f"{'; '.join(asked)} needs the opt-in features (kvtail_connector/extras), which "
+            "this installation of kvtail-connector does not hold: install the full package, "
+            'or leave the setting out (vouch_tails "auto" and verify_kv "auto" turn off '
+            "without them)."
+        )
+
+
 def resolve_policy(
     cfg: KVTailConfig,
     *,
@@ -202,6 +222,7 @@ def resolve_policy(
     dcp_world_size: int = 1,
     pipeline_parallel_size: int = 1,
     prefill_context_parallel_size: int = 1,
+    extras_installed: bool = True,
 ) -> TailPolicy:
     """The policy for one engine.
 
@@ -226,11 +247,21 @@ def resolve_policy(
             (``verify_kv`` needs both to be 1).
         prefill_context_parallel_size: this engine's PCP size (a producer's
             ``verify_kv`` needs 1).
+        extras_installed: the package holds ``kvtail_connector.extras``
+            (producer claims, KV verification); without it ``auto`` turns
+            them off and an explicit setting is refused.
 
     Raises:
         ValueError: ``verify_kv: digest`` where it cannot work (see
-            :func:`_digest_duties`).
+            :func:`_digest_duties`); a setting that needs the extras where
+            they are not installed.
     """
+    without_extras = None
+    if not extras_installed:
+        _refuse_without_extras(cfg)
+        if cfg.verify_kv == "auto":
+            without_extras = "kvtail_connector/extras is not installed"
+        cfg = cfg.model_copy(update={"vouch_tails": "off", "verify_kv": "off"})
     zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
     # vLLM re-zeroes a failed load's blocks itself whenever it zeroes at all
     # (Scheduler._update_waiting_for_remote_kv, 0.32 and 0.33).
@@ -289,5 +320,5 @@ def resolve_policy(
         trusts_read_claims=check and (cfg.vouch_tails == "trust" or by_layer),
         digests_prompts=digest,
         verifies_loads=verify,
-        verify_kv_off=verify_off,
+        verify_kv_off=verify_off or without_extras,
     )

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.extension import SchedulerExtra, StepRecords
+from kvtail_connector.extension import SchedulerExtra
 from kvtail_connector.features.consumer_tails.scheduler import AllocatedLoad, ConsumerTailsScheduler
 from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
 from kvtail_connector.features.load_starts import LoadStart, LoadStarts
@@ -208,33 +208,27 @@ class TailScheduler:
 
     def build_connector_meta(self, scheduler_output: Any, inner_meta: Any) -> KVTailMetadata:
         """``inner_meta``: what the inner ``build_connector_meta`` returned."""
-        step = (
-            self._extra.step_records(scheduler_output, self._kv_cache_manager)
-            if self._extra is not None
-            else StepRecords()
-        )
         read_loads, kept = (
             self._reads.build(scheduler_output, inner_meta)
             if self._reads is not None
             else ((), None)
         )
-        producer, digests = step.producer_tails, step.producer_digests
         allocated = self._tails.peek()
         loads = tuple(load.record for load in allocated if load.record is not None)
         meta = KVTailMetadata(
             inner=inner_meta,
             loads=loads,
             read_loads=read_loads,
-            producer_tails=producer,
-            producer_digests=digests,
             failing=tuple(self._errors.failing),
+            extra=(
+                self._extra.step_payload(scheduler_output, self._kv_cache_manager)
+                if self._extra is not None
+                else None
+            ),
         )
-        if loads or read_loads or producer:
+        if loads or read_loads:
             logger.debug(
-                "kvtail: shipping %d load(s), %d READ load(s), %d producer tail(s)",
-                len(loads),
-                len(read_loads),
-                len(producer),
+                "kvtail: shipping %d load(s), %d READ load(s)", len(loads), len(read_loads)
             )
         # Shipped: nothing below may raise (dict writes only). Until here a
         # failure leaves every load pending for contain_meta, and vLLM's zero
@@ -314,6 +308,8 @@ class TailScheduler:
                 self._errors.lost(load.req_id, load.written)
         if self._reads is not None:
             self._reads.clear()
+        if self._extra is not None:
+            self._extra.contain_meta()
         return KVTailMetadata(inner=inner_meta, failing=self._errors.take_failing())
 
     def contain_output(self, connector_output: Any) -> None:

@@ -1,19 +1,22 @@
-"""Worker side: routes the runner's connector hooks to the feature parts.
+"""Worker side: routes the runner's connector hooks to the core parts, and
+to the opt-in features' worker half where the assembly gives one.
 
-:class:`TailWorker` holds no feature state: each feature is a part
-(``kvtail_connector/features/<feature>/worker.py``) built from the policy,
+:class:`TailWorker` holds no feature state: each duty is a part
+(``kvtail_connector/features/<duty>/worker.py``) built from the policy,
 present only where the policy turns it on, sharing this rank's caches and
 zeroer (:class:`~kvtail_connector.features.zeroing.RankCaches`) so that a
-step's zeroing is one launch. The order in which the parts are called, hook
+step's zeroing is one launch; the extra
+(:class:`~kvtail_connector.extension.WorkerExtra`: producer claims, KV
+verification) shares them too. The order in which the parts are called, hook
 by hook:
 
 ``bind_connector_metadata`` (:meth:`TailWorker.bind`)
     READ tails first (a READ cannot be reported failed, so a failure below
     must not lose its tail), then load errors (``failing``, blocks tracked),
-    consumer tails (work lines built now), producer claims, verification.
+    the extra (its payload: which loads it acts on at completion), consumer
+    tails (work lines built now).
 producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save``)
-    producer claims (zero the prompts' tails), then verification (digest the
-    prompts, after the zeroing, which writes only slots past them).
+    the extra (zero the prompts' tails, then digest the prompts).
 ``start_load_kv``
     the fence (:meth:`TailWorker.fence`) before the inner connector starts
     loads, then READ tails (:meth:`TailWorker.reads_started`) after it.
@@ -27,28 +30,24 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
     dropped), verification (digests launched), load errors (failed loads'
     blocks), consumer tails, producer claims (vouched tails checked), then
     one launch for all of it; then the holds: consumer tails (zeroing not
-    executed), verification (digest not compared), load errors (loads to
-    report failed, and completions a failed pass left owed).
+    executed), the extra (digest not compared), load errors (loads to report
+    failed, and completions a failed pass left owed).
 ``build_connector_worker_meta`` (:meth:`TailWorker.worker_meta`)
-    producer claims (tails zeroed, false claims found), verification (sums,
-    verdicts).
+    the extra's report (tails zeroed, false claims found, sums, verdicts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import cache_sets
 from kvtail_connector.completion import CompletionPasses
+from kvtail_connector.extension import WorkerExtra
 from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker
-from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
-from kvtail_connector.features.kv_verification.rank_states import state_sets
-from kvtail_connector.features.kv_verification.worker import VerificationWorker
 from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
-from kvtail_connector.features.producer_claims.worker import ClaimsWorker
 from kvtail_connector.features.read_tails.worker import ReadTailsWorker
 from kvtail_connector.features.zeroing import RankCaches, RankPlacement
 from kvtail_connector.kvgroups import GroupInfo
@@ -88,7 +87,8 @@ class TailWorker:
         rank: this worker's rank among the engine's workers (its producer
             confirmations are counted by id).
         stats: the counters this side reports.
-        heads: this rank's TP placement of the KV heads (``verify_kv``).
+        extra: builds the opt-in features' worker half over this rank's
+            caches, or None.
     """
 
     def __init__(
@@ -100,35 +100,28 @@ class TailWorker:
         counts_requests: bool = True,
         rank: int = 0,
         stats: KVTailStats,
-        heads: HeadPlacement | None = None,
+        extra: Callable[[RankCaches], WorkerExtra] | None = None,
     ) -> None:
         self._policy = policy
         self._rank_id = rank
         self._rank = RankCaches(
             groups, placement, stats, probe=policy.probes, counts_requests=counts_requests
         )
+        self._extra = extra(self._rank) if extra is not None else None
         self._tails = ConsumerTailsWorker(self._rank, holds_completions=policy.holds_completions)
         self._errors = LoadErrorsWorker(self._rank, self._tails.in_flight)
-        self._claims = (
-            ClaimsWorker(self._rank) if policy.vouches_for_tails or policy.checks_claims else None
-        )
         self._reads = (
             ReadTailsWorker(
                 self._rank,
                 by_layer=policy.zeroes_reads_by_layer,
                 trusts_load_claims=policy.trusts_load_claims,
-                claims=self._claims,
+                extra=self._extra,
             )
             if policy.zeroes_read_tails
             else None
         )
-        self._verify = (
-            VerificationWorker(heads or HeadPlacement(), verifies_loads=policy.verifies_loads)
-            if policy.digests_prompts or policy.verifies_loads
-            else None
-        )
         self._completions = CompletionPasses(
-            self._rank, policy, self._tails, self._errors, self._claims, self._verify
+            self._rank, policy, self._tails, self._errors, self._extra
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -149,7 +142,7 @@ class TailWorker:
         """
         rank = self._rank
         rank.forget_released()  # new caches supersede any put away by sleep mode
-        for part in (self._reads, self._verify):
+        for part in (self._reads, self._extra):
             if part is not None:
                 part.forget_released()
         if not self._policy.needs_caches:
@@ -159,8 +152,8 @@ class TailWorker:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
             return
         rank.register(sets)
-        if self._verify is not None:
-            self._verify.register(sets, state_sets(kv_caches, kv_cache_config, rank.groups))
+        if self._extra is not None:
+            self._extra.register(sets, kv_caches, kv_cache_config)
         if self._reads is not None:
             self._reads.register(sets)
         zeroer = rank.zeroer
@@ -188,7 +181,7 @@ class TailWorker:
         if self._rank.released:
             return
         self._rank.release()
-        for part in (self._reads, self._verify):
+        for part in (self._reads, self._extra):
             if part is not None:
                 part.release()
 
@@ -197,7 +190,7 @@ class TailWorker:
         if not self._rank.released:
             return
         self._rank.restore()
-        for part in (self._reads, self._verify):
+        for part in (self._reads, self._extra):
             if part is not None:
                 part.restore()
 
@@ -215,41 +208,32 @@ class TailWorker:
         if self._reads is not None:
             self._reads.bind(meta.read_loads)
         self._errors.bind(meta.loads, meta.failing)
-        self._tails.bind(meta.loads)
-        if self._claims is not None:
-            self._claims.bind(meta.producer_tails)
-        if self._verify is not None:
-            self._verify.bind(meta.producer_digests, meta.loads)
+        acting = (
+            self._extra.bind(meta.extra, meta.loads, meta.read_loads)
+            if self._extra is not None
+            else ()
+        )
+        self._tails.bind(meta.loads, acting)
 
     def produce(self) -> None:
-        """The producer hook (``policy.producer_hook``): zero the slots past
-        each completing remote-decode prompt in its last block, on the
-        current stream, after the step's forward and before its output; with
-        ``verify_kv: digest``, then digest those prompts, without waiting."""
-        if self._claims is not None:
-            self._claims.zero_producer_tails()
-        if self._verify is not None:
-            self._verify.digest_prompts()
+        """The producer hook (``policy.producer_hook``), after the step's
+        forward and before its output: the extra's producer work (zero the
+        slots past each completing remote-decode prompt in its last block;
+        digest those prompts, without waiting)."""
+        if self._extra is not None:
+            self._extra.produce()
 
     def worker_meta(self, inner: Any) -> Any:
         """This step's ``build_connector_worker_meta``: the inner connector's,
-        wrapped with the producer tails this rank zeroed (every step where the
-        policy vouches or digests, so every rank's metadata aggregates alike),
-        with this rank's digests and verdicts (``verify_kv``). Digest sums are
-        read from the device only when the scheduler side reads them, or when
-        the metadata is pickled to reach it."""
+        wrapped with the extra's report (every step where the policy reports,
+        so every rank's metadata aggregates alike)."""
         if not self._policy.reports_worker_meta:
             return inner
-        claims, verify = self._claims, self._verify
-        zeroed = claims.take_zeroed() if claims is not None else []
-        mine = frozenset({self._rank_id})
+        extra = self._extra
         return KVTailWorkerMeta(
             inner=inner,
-            confirmed=dict.fromkeys(zeroed, mine),
-            ranks=mine,
-            digests=verify.take_parts() if verify is not None else {},
-            verdicts=verify.take_verdicts() if verify is not None else {},
-            false_vouches=claims.take_false_vouches() if claims is not None else frozenset(),
+            ranks=frozenset({self._rank_id}),
+            extra=extra.report() if extra is not None else None,
         )
 
     def fence(self) -> None:
@@ -310,16 +294,20 @@ class TailWorker:
         req_ids = [r.req_id for r in meta.loads]
         self._errors.fail(req_ids)
         self._tails.drop(req_ids)
-        self._drop_producer_work()
+        if self._extra is not None:
+            self._extra.forget(req_ids)
+            self._extra.drop()
 
     def contain_producer(self) -> None:
         """The producer hook failed: nothing of this step is confirmed."""
-        self._drop_producer_work()
+        if self._extra is not None:
+            self._extra.drop()
 
     def contain_worker_meta(self, inner: Any) -> Any:
         """``worker_meta`` failed: no confirmation, digest or verdict from this
         rank this step (no claim made; loads count as not verified)."""
-        self._drop_producer_work()
+        if self._extra is not None:
+            self._extra.drop()
         if not self._policy.reports_worker_meta:
             return inner
         return KVTailWorkerMeta(inner=inner, ranks=frozenset({self._rank_id}))
@@ -349,18 +337,12 @@ class TailWorker:
         """``transfer_results`` failed (see :meth:`CompletionPasses.contain`)."""
         return self._completions.contain(results, finished_req_ids)
 
-    def _drop_producer_work(self) -> None:
-        if self._claims is not None:
-            self._claims.drop()
-        if self._verify is not None:
-            self._verify.drop()
-
     # ----------------------------------------------------------- accounting
 
     def held_requests(self) -> int:
         """Requests this worker holds state for (the ``held_requests`` gauge)."""
         held = self._tails.held() | self._errors.held()
-        for part in (self._reads, self._claims, self._verify):
+        for part in (self._reads, self._extra):
             if part is not None:
                 held |= part.held()
         return len(held) + self._tails.num_held
@@ -368,5 +350,5 @@ class TailWorker:
     @property
     def num_tracked(self) -> int:
         """Entries every part still holds (0 when idle: the leak check)."""
-        parts = (self._tails, self._errors, self._reads, self._claims, self._verify)
+        parts = (self._tails, self._errors, self._reads, self._extra)
         return sum(p.num_tracked for p in parts if p is not None)

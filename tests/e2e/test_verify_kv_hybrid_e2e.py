@@ -23,7 +23,7 @@ import pytest
 from demo.engine import EngineProcess, start_engines
 from demo.pd import PDPair, make_prompt, wrapped_kv_config
 from demo.tiny_model import ensure_tiny_hybrid
-from kvtail_connector import entry
+from kvtail_connector.extras import entry
 from tests.e2e.support import require
 
 pytestmark = pytest.mark.e2e

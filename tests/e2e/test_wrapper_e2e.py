@@ -35,7 +35,7 @@ from demo import procs
 from demo.engine import start_engines
 from demo.pd import PDPair, PDResult, make_prompt, wrapped_kv_config
 from demo.tiny_model import ensure_tiny_hybrid
-from kvtail_connector import entry
+from kvtail_connector.extras import entry
 from tests.e2e.support import mid_block_hit, require, require_bf16
 
 pytestmark = pytest.mark.e2e

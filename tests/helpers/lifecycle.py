@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from kvtail_connector import entry, trust
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.inner import wrapper_fields
@@ -127,6 +126,13 @@ class Harness:
     def records(self) -> list[Any]:
         return [r for m in self.metas for r in m.loads]
 
+    def vouched(self) -> list[bool]:
+        """Per record of :meth:`records`: a producer's claim covers its tail
+        (the extras' payload of its step says so)."""
+        return [
+            m.extra is not None and r.req_id in m.extra.vouched for m in self.metas for r in m.loads
+        ]
+
 
 def _check_holding(scheduler: Any) -> None:
     """The scheduler side's ``held_requests`` gauge is the union of every
@@ -141,6 +147,8 @@ def routed(p_params: dict[str, Any], kvtail: Any = ...) -> dict[str, Any]:
     """What a router hands D from P's answer (the transfer's identity and the
     ``kvtail`` entry, P's own or ``kvtail`` in its place), without the keys
     that would make the transport double expect a real P."""
+    from kvtail_connector.extras import entry, trust
+
     out = {k: p_params[k] for k in trust.BINDING_KEYS if k in p_params}
     out[entry.KEY] = p_params[entry.KEY] if kvtail is ... else kvtail
     return out

@@ -21,6 +21,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from kvtail_connector.assembly import build_worker
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.policy import TailPolicy
@@ -104,7 +105,9 @@ def make_tail_worker(kv_cache_config: KVCacheConfig, **kw: Any) -> TailWorker:
     fields in ``kw``; the other ``kw`` go to the worker."""
     duties = {k: kw.pop(k) for k in list(kw) if k in TailPolicy.__dataclass_fields__}
     kw.setdefault("stats", KVTailStats())
-    return TailWorker(group_infos(kv_cache_config, 1), RankPlacement(), tail_policy(**duties), **kw)
+    return build_worker(
+        group_infos(kv_cache_config, 1), RankPlacement(), tail_policy(**duties), **kw
+    )
 
 
 class ErrorSource:

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvtail_connector.ops import PageRegion, RegionCache, indexer_cache
-from kvtail_connector.ops.digest import launcher as digest_mod
-from kvtail_connector.ops.digest.launcher import (
+from kvtail_connector.extras.ops.digest import launcher as digest_mod
+from kvtail_connector.extras.ops.digest.launcher import (
     ALGORITHM,
     DigestGroup,
     GroupSpan,
     KVDigester,
 )
-from kvtail_connector.ops.digest.reference import POS_MUL, WORD_MUL, reference_digest
+from kvtail_connector.extras.ops.digest.reference import POS_MUL, WORD_MUL, reference_digest
+from kvtail_connector.ops import PageRegion, RegionCache, indexer_cache
 from tests.helpers.kv_content import byte_views
 from tests.helpers.layouts import LAYOUTS, make_backing, to_device
 
@@ -301,7 +301,7 @@ def test_many_requests_of_mixed_lengths_in_one_launch(implementation, device):
 
 
 def test_a_launch_unit_is_a_power_of_two_within_its_segment_that_fills_the_programs():
-    from kvtail_connector.ops.digest.plan import MAX_CHUNK, MIN_CHUNK, choose_chunk
+    from kvtail_connector.extras.ops.digest.plan import MAX_CHUNK, MIN_CHUNK, choose_chunk
 
     programs = 132 * 8
     for segment in (256, 1024, 4096):
@@ -451,7 +451,7 @@ def test_empty_work_launches_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("launched a kernel for empty work")
 
-    import kvtail_connector.ops.digest.kernel as kernels
+    import kvtail_connector.extras.ops.digest.kernel as kernels
 
     monkeypatch.setattr(kernels, "kv_digest_kernel", NoLaunch())
     b = make_backing(

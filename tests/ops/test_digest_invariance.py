@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtail_connector.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
-from kvtail_connector.ops.digest.reference import MASK64
+from kvtail_connector.extras.ops.digest.launcher import DigestGroup, GroupSpan, KVDigester
+from kvtail_connector.extras.ops.digest.reference import MASK64
 from tests.helpers.kv_content import logical_content, place
 from tests.helpers.layouts import LAYOUTS, make_backing, to_device
 from tests.ops.test_digest import PATHS, blocks, same_view, slow

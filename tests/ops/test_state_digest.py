@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtail_connector.ops.state_digest import StateDigester, StateLayer
-from kvtail_connector.ops.state_digest.launcher import MODE_BYTES, MODE_VECTORS, MODE_WORDS
+from kvtail_connector.extras.ops.state_digest import StateDigester, StateLayer
+from kvtail_connector.extras.ops.state_digest.launcher import MODE_BYTES, MODE_VECTORS, MODE_WORDS
 
 MASK = (1 << 64) - 1
 WORD_MUL = 0xBF58476D1CE4E5B9

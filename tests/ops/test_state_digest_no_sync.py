@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtail_connector.ops.state_digest import StateDigester, StateLayer
+from kvtail_connector.extras.ops.state_digest import StateDigester, StateLayer
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.containment import Containment, mark_inner
-from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
+from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks
 from kvtail_connector.stats import KVTailStats
@@ -726,8 +726,11 @@ def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
     worker.register_kv_caches(caches.views, kv, caches.layers)
 
     def load(req_id: str, blocks: tuple[int, ...], vouched: bool) -> KVTailMetadata:
-        record = LoadRecord(req_id, 0, 37, (GroupLoad(0, 0, blocks),), vouched=vouched)
-        return KVTailMetadata(inner=None, loads=(record,))  # type: ignore[arg-type]
+        from kvtail_connector.extras.metadata import EntryStep
+
+        record = LoadRecord(req_id, 0, 37, (GroupLoad(0, 0, blocks),))
+        step = EntryStep(vouched=frozenset({req_id})) if vouched else None
+        return KVTailMetadata(inner=None, loads=(record,), extra=step)  # type: ignore[arg-type]
 
     worker.bind(load("a", (5, 2, 7), vouched=True))
     again = load("a", (1, 3, 4), vouched=False)

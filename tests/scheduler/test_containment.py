@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtail_connector import entry
 from kvtail_connector.containment import call_inner, raised_by_inner
+from kvtail_connector.extras import entry
 from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import run_step, runs_v2_runner
 

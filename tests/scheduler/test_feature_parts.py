@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvtail_connector import entry
+from kvtail_connector.assembly import build_worker
 from kvtail_connector.connectors import adapter_for
-from kvtail_connector.features.entry_features import EntryFeatures
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.scheduler import EntryFeatures
 from kvtail_connector.features.records import LoadRecords
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.kvgroups import group_infos
@@ -38,7 +39,7 @@ CONTAINERS = (dict, list, set, frozenset, tuple)
 
 def _worker(policy: TailPolicy) -> TailWorker:
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
-    worker = TailWorker(group_infos(kv, 1), RankPlacement(), policy, stats=KVTailStats())
+    worker = build_worker(group_infos(kv, 1), RankPlacement(), policy, stats=KVTailStats())
     caches = allocate(kv)
     worker.register_kv_caches(caches.views, kv, caches.layers)
     return worker
@@ -99,7 +100,8 @@ def test_the_coordinators_hold_no_state_of_their_own(build):
 def test_every_part_exists_when_every_feature_is_on():
     worker, scheduler = _worker(EVERY_PART), _scheduler(EVERY_PART)
     for side, parts in (
-        (worker, ("_tails", "_errors", "_claims", "_reads", "_verify")),
+        (worker, ("_tails", "_errors", "_reads", "_extra")),
+        (worker._extra, ("_claims", "_verify")),
         (scheduler, ("_tails", "_errors", "_reads", "_extra")),
         (scheduler._extra, ("_claims", "_verify", "_reader", "_writer")),
     ):
@@ -108,5 +110,5 @@ def test_every_part_exists_when_every_feature_is_on():
 
 def test_a_feature_that_is_off_has_no_part():
     worker, scheduler = _worker(NO_PART), _scheduler(NO_PART)
-    assert (worker._claims, worker._reads, worker._verify) == (None, None, None)
+    assert (worker._reads, worker._extra) == (None, None)
     assert (scheduler._reads, scheduler._extra) == (None, None)

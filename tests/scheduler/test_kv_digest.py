@@ -17,9 +17,9 @@ import torch
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvtail_connector import entry
-from kvtail_connector.features.kv_verification import rank_digests as kv_digests_mod
-from kvtail_connector.ops.digest.reference import ALGORITHM, reference_digest
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
+from kvtail_connector.extras.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
 
@@ -366,11 +366,12 @@ def rank_part(caches: list[Any], blocks: list[int], n: int, placement: Any = Non
     """A producer rank's part of request ``r``'s digest: tokens ``[0, n)`` of
     ``blocks`` in group 0 (``caches``: its layers, views or region caches)."""
     from kvtail_connector.cache_sets import CacheSet
-    from kvtail_connector.metadata import GroupLoad, LoadRecord
+    from kvtail_connector.extras.metadata import CheckedLoad
+    from kvtail_connector.metadata import GroupLoad
 
     sets = [CacheSet(0, 1, 1, list(caches))]
     digests = kv_digests_mod.RankDigests(sets, placement or kv_digests_mod.HeadPlacement())
-    record = LoadRecord("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
+    record = CheckedLoad("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
     return digests.digest_prompts([record])["r"]
 
 
@@ -404,7 +405,7 @@ def test_the_ranks_parts_add_up_to_the_single_rank_digest_through_pickling(tp):
 
 
 def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
-    from kvtail_connector.metadata import DigestPart
+    from kvtail_connector.extras.metadata import DigestPart
 
     a = DigestPart("mix64-1", 1024, "a" * 16, {0: {0: (1,)}})
     b = DigestPart("mix64-1", 1024, "b" * 16, {0: {1: (2,)}})
@@ -418,7 +419,8 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     against ``digest``: a producer's ``entry.Digest``, or sums taken as made
     with this rank's own signature."""
     from kvtail_connector.cache_sets import CacheSet, cache_slots
-    from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
+    from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
+    from kvtail_connector.metadata import GroupLoad
 
     digests = kv_digests_mod.RankDigests(
         [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
@@ -427,7 +429,7 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     if not isinstance(dg, entry.Digest):
         dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, digest)
     first = num_local // cache_slots(caches[0])
-    load = LoadRecord(
+    load = CheckedLoad(
         "r",
         num_local,
         n,
@@ -441,7 +443,7 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
 
 
 def test_a_head_the_producer_did_not_send_is_skipped_and_the_others_still_count():
-    from kvtail_connector.metadata import MISMATCH, UNVERIFIED, VERIFIED
+    from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, VERIFIED
 
     g = torch.Generator().manual_seed(7)
     caches = [torch.randn(6, 4, BLOCK, 8, generator=g) for _ in range(2)]
@@ -481,8 +483,9 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     # that id in finished_recving, never the fast path) or dropped there:
     # loads in flight need no pass of their own.
     from kvtail_connector.cache_sets import CacheSet
-    from kvtail_connector.features.kv_verification.worker import VerificationWorker
-    from kvtail_connector.metadata import ExpectedDigest, GroupLoad, LoadRecord
+    from kvtail_connector.extras.kv_verification.worker import VerificationWorker
+    from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
+    from kvtail_connector.metadata import GroupLoad
 
     g = torch.Generator().manual_seed(3)
     caches = [torch.randn(6, 2, BLOCK, 8, generator=g)]
@@ -493,7 +496,7 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     digests = worker._digests
     assert digests is not None
     dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, {0: {}})
-    load = LoadRecord("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
+    load = CheckedLoad("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
     worker.bind((), (load,))
     assert worker.idle
     # Sleep mode with the load in flight: it completes while released and is
@@ -544,7 +547,7 @@ def _group_verdicts(full, tp, blocks, n, digest):
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 4), (4, 1), (2, 4), (1, 2)])
 def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp, d_tp):
-    from kvtail_connector.metadata import UNVERIFIED
+    from kvtail_connector.extras.metadata import UNVERIFIED
 
     full, blocks, n = _group_case(11)
     digest = _group_parts(full, p_tp, blocks, n)
@@ -556,7 +559,7 @@ def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp,
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (4, 4), (8, 16), (16, 8)])
 def test_a_group_with_other_heads_than_the_model_is_checked_where_keys_agree(p_tp, d_tp):
-    from kvtail_connector.metadata import MISMATCH, VERIFIED
+    from kvtail_connector.extras.metadata import MISMATCH, VERIFIED
 
     full, blocks, n = _group_case(12)
     digest = _group_parts(full, p_tp, blocks, n)

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvtail_connector.features.kv_verification.rank_digests import HeadPlacement
-from kvtail_connector.metadata import MISMATCH, UNVERIFIED, VERIFIED
+from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, VERIFIED
+from kvtail_connector.extras.ops.digest.reference import reference_digest
 from kvtail_connector.ops import RegionCache, indexer_cache
-from kvtail_connector.ops.digest.reference import reference_digest
 from kvtail_connector.pages.cpu import cpu_attn_regions
 from kvtail_connector.pages.rocm import rocm_regions
 from tests.helpers import cpu_attn_writers

@@ -15,11 +15,11 @@ import torch
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import dcp_local_valid_slots
+from kvtail_connector.assembly import build_worker
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.inner import wrapper_fields
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import TailWorker
 from tests.helpers import async_double
 from tests.helpers.lifecycle import BLOCK, Harness, slot_state
 from tests.helpers.vllm_factories import (
@@ -200,7 +200,7 @@ def test_dcp8_tail_in_a_12288_token_block_on_every_rank():
     for rank in range(8):
         for view in caches.views.values():
             view.fill_(float("nan"))
-        worker = TailWorker(
+        worker = build_worker(
             groups,
             RankPlacement(rank, 8, 1),
             tail_policy(),

@@ -10,6 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvtail_connector.assembly import build_worker
 from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.inner import wrapper_fields
@@ -17,7 +18,6 @@ from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.log import PARENT
 from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path
-from kvtail_connector.worker import TailWorker
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 
@@ -86,7 +86,7 @@ def _worker_with_poisoned_tail(probe: bool):
     caches = allocate(kv)
     groups = group_infos(kv, 1)
     stats = KVTailStats()
-    worker = TailWorker(groups, RankPlacement(), tail_policy(probes=probe), stats=stats)
+    worker = build_worker(groups, RankPlacement(), tail_policy(probes=probe), stats=stats)
     worker.register_kv_caches(caches.views, kv, caches.layers)
     for view in caches.views.values():
         view.zero_()

@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
+from kvtail_connector.assembly import build_worker
 from kvtail_connector.features.zeroing import RankPlacement
 from kvtail_connector.kvgroups import group_infos
 from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import TailWorker
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
@@ -48,7 +48,7 @@ def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkey
         gen = torch.Generator().manual_seed(1)
         for raw in caches.raw.values():
             raw.copy_(torch.randint(-100, 100, raw.shape, dtype=torch.int8, generator=gen))
-        worker = TailWorker(
+        worker = build_worker(
             infos, RankPlacement(rank, world, interleave), tail_policy(), stats=KVTailStats()
         )
         worker.register_kv_caches(caches.views, kv, caches.layers)

@@ -19,8 +19,9 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-from kvtail_connector import _compat, entry, trust
+from kvtail_connector import _compat
 from kvtail_connector._version import __version__
+from kvtail_connector.extras import entry, trust
 from kvtail_connector.metadata import KVTailMetadata
 from tests.helpers.lifecycle import BLOCK, Harness, routed, slot_state
 from tests.helpers.vllm_factories import (
@@ -123,6 +124,11 @@ def test_by_default_a_producer_over_nixl_makes_no_claim_and_zeroes_nothing(caplo
     assert h.stats["tails_vouched"] == 0 and h.stats["producer_tail_bytes_zeroed"] == 0
 
 
+def producer_tails(meta: Any) -> tuple[Any, ...]:
+    """The prompt tails a step's metadata ships (in the extras' payload)."""
+    return meta.extra.producer_tails if meta.extra is not None else ()
+
+
 def test_a_trust_producer_says_it_vouches_at_start_up(caplog):
     with caplog.at_level(logging.INFO):
         h = producer()
@@ -137,7 +143,7 @@ def test_a_block_aligned_prompt_is_vouched_for_with_nothing_to_zero():
     found = entry.read(params).entry
     assert found is not None and (found.num_tokens, found.tail_zero) == (48, True)
     assert h.stats["tails_vouched"] == 1 and h.stats["producer_tail_bytes_zeroed"] == 0
-    assert h.metas[0].producer_tails[0].groups == ()
+    assert producer_tails(h.metas[0])[0].groups == ()
 
 
 def test_a_chunked_prompt_is_recorded_in_the_step_that_completes_it():
@@ -145,7 +151,7 @@ def test_a_chunked_prompt_is_recorded_in_the_step_that_completes_it():
     h.add("p1", 70, max_tokens=1, do_remote_decode=True)
     assert step(h) == {} and step(h) == {}  # chunks 0-31, 32-63
     params = step(h)["p1"]  # 64-69 completes the prompt
-    assert [len(m.producer_tails) for m in h.metas] == [0, 0, 1]
+    assert [len(producer_tails(m)) for m in h.metas] == [0, 0, 1]
     assert entry.read(params).entry.num_tokens == 70
     h.finish()
 
@@ -162,7 +168,7 @@ def test_no_claim_for_requests_that_are_not_single_token_prefill_legs(max_tokens
         params.update(step(h))
     assert "p1" in params
     assert params["p1"] is None or entry.KEY not in params["p1"]
-    assert all(not m.producer_tails for m in h.metas)
+    assert all(not producer_tails(m) for m in h.metas)
     h.finish()
     assert h.stats["tails_vouched"] == 0 and h.stats["producer_tail_bytes_zeroed"] == 0
 
@@ -353,7 +359,7 @@ LEFT = [["loaded"] * 5 + ["stale"] * 11] * 2
 def test_by_default_a_valid_claim_is_checked_and_counted_but_the_tail_is_zeroed(sent):
     h = _consume(routed(sent))
     assert h.tail_state == ZEROED
-    assert [r.vouched for r in h.records()] == [False]
+    assert h.vouched() == [False]
     assert h.stats["vouches_unused"] == 1 and h.stats["vouches_declined"] == 0
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
 
@@ -382,7 +388,7 @@ def test_by_default_the_binding_is_not_computed_where_no_claim_can_be_used(sent,
 def test_with_trust_a_vouched_tail_is_not_zeroed_and_is_counted(sent):
     h = _consume(routed(sent), vouch_tails="trust")
     assert h.tail_state == LEFT  # left as it arrived
-    assert [r.vouched for r in h.records()] == [True]
+    assert h.vouched() == [True]
     assert h.stats["vouched_tails"] == 1 and h.stats["tails_zeroed"] == 0
     assert h.stats["vouches_unused"] == 0
     view = h.caches.views[LAYERS[0]]
@@ -540,7 +546,7 @@ def test_by_default_a_stale_tail_under_a_claim_is_zeroed_not_trusted(sent):
 
 def test_vouch_tails_off_on_the_consumer_checks_nothing(sent):
     h = _consume(routed(sent), vouch_tails="off")
-    assert [r.vouched for r in h.records()] == [False]
+    assert h.vouched() == [False]
     assert h.stats["tails_zeroed"] == 1 and h.stats["vouched_tails"] == 0
     assert h.stats["vouches_unused"] == 0 and h.stats["vouches_declined"] == 0
 

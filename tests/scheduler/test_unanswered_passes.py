@@ -152,7 +152,7 @@ def test_a_completion_held_for_its_digest_is_not_reported_again(sent, monkeypatc
             if self.worker._worker._policy.verifies_loads:
                 worker.append(self.worker._worker)
                 _inject_once(patch, self.worker._worker._errors, "report_failing")
-                _inject_once(patch, self.worker._worker._verify, "drop_held")
+                _inject_once(patch, self.worker._worker._extra, "drop_held")
 
         patch.setattr(Harness, "__init__", faulty)
         # c1 completes and is held; that pass and its fallback fail, and the

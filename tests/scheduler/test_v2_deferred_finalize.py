@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtail_connector import _compat, entry
+from kvtail_connector import _compat
+from kvtail_connector.extras import entry
 from tests.helpers.lifecycle import BLOCK, LOADED, Harness, routed, slot_state
 from tests.helpers.vllm_factories import make_model_runner_output
 from tests.scheduler.test_kv_digest import reference, transfer

@@ -175,10 +175,10 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
     # DCP 2, interleave 16 (what NIXL needs), 16-slot pages: 24 valid tokens of
     # a 32-token block fill rank 0's page and 8 slots of rank 1's. Only the
     # counting rank counts requests, whatever its own share of the work is.
+    from kvtail_connector.assembly import build_worker
     from kvtail_connector.features.zeroing import RankPlacement
     from kvtail_connector.kvgroups import group_infos
     from kvtail_connector.stats import KVTailStats
-    from kvtail_connector.worker import TailWorker
 
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     groups = group_infos(kv, 2)
@@ -188,7 +188,7 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
     for rank in (0, 1):
         caches = allocate(kv)
         stats = KVTailStats()
-        worker = TailWorker(
+        worker = build_worker(
             groups,
             RankPlacement(rank, 2, 16),
             tail_policy(probes=True),

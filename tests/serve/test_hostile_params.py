@@ -28,7 +28,7 @@ from demo.router import Router
 from demo.serving import Fleet, ServePair
 from demo.tiny_model import ensure_tiny_llama
 from demo.workload import Answer, completion_prompt, openai_client, send
-from kvtail_connector import entry
+from kvtail_connector.extras import entry
 from tests.e2e.support import require
 from tests.serve.support import MAX_TOKENS, block_size, kvtail, wait_counts
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtail_connector import entry
 from kvtail_connector._version import __version__
+from kvtail_connector.extras import entry
 
 LIMITS = entry.Limits(max_tokens=4096, num_groups=3, num_kv_heads=4)
 BIND = "0123456789abcdef" * 2
@@ -374,3 +374,19 @@ def test_without_the_digest_its_dg_is_neither_walked_nor_parsed():
     assert reading.why == "ok" and reading.entry == _entry()
     # A MAC covers the whole entry: with walk_digest the dg is bounded too.
     assert entry.read(params, LIMITS, digest=False, walk_digest=True).why == "too large"
+
+
+def test_segments_inside_a_range_match_a_brute_force_count():
+    from kvtail_connector.extras.kv_verification.rank_digests import _inside
+
+    for segment in (256, 1024):
+        for n in (1, 255, 256, 257, 3000, 4096):
+            for start in (0, 1, 256, 300, 1024):
+                for end in (start, start + 1, 1024, 2048, n, n + 5):
+                    want = [
+                        j
+                        for j in range(-(-n // segment))
+                        if j * segment >= start and min((j + 1) * segment, n) <= end
+                    ]
+                    assert list(_inside(segment, n, start, end)) == want, (segment, n, start, end)
+    assert len(_inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n

@@ -1,9 +1,7 @@
-"""The scheduler side's core reaches the opt-in features only through
-``kvtail_connector.extension`` (what the assembly wires in), never by import.
-
-Direct imports only: ``metadata.py`` still carries the features' record
-fields (``LoadRecord.vouched``, ``expected``), which the worker side reads.
-"""
+"""The core reaches the opt-in features (``kvtail_connector/extras``) only
+through ``kvtail_connector.extension``, as the assembly wires them in: no core
+module imports them, and the assembly only inside the functions that build
+them (so that a package without the folder imports and runs)."""
 
 from __future__ import annotations
 
@@ -13,30 +11,15 @@ from pathlib import Path
 import kvtail_connector
 
 PACKAGE = Path(kvtail_connector.__file__).parent
-
-# The scheduler side's core: the router and the parts every engine runs.
-CORE = (
-    "scheduler.py",
-    "extension.py",
-    "features/load_starts.py",
-    "features/records.py",
-    "features/consumer_tails/scheduler.py",
-    "features/read_tails/scheduler.py",
-    "features/load_errors/scheduler.py",
-)
-FEATURES = (
-    "kvtail_connector.features.entry_features",
-    "kvtail_connector.features.entries",
-    "kvtail_connector.features.producer_claims",
-    "kvtail_connector.features.kv_verification",
-    "kvtail_connector.entry",
-    "kvtail_connector.trust",
-)
+EXTRAS = "kvtail_connector.extras"
+WIRING = "assembly.py"
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -45,15 +28,30 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_the_scheduler_core_imports_no_opt_in_feature():
+def _core_modules() -> list[Path]:
+    return [
+        p
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p.relative_to(PACKAGE).parts[0] != "extras" and p.name != WIRING
+    ]
+
+
+def test_no_core_module_imports_an_opt_in_feature():
     found = {
-        module: sorted(n for n in _imports(PACKAGE / module) if n.startswith(FEATURES))
-        for module in CORE
+        str(p.relative_to(PACKAGE)): sorted(n for n in _imports(p) if n.startswith(EXTRAS))
+        for p in _core_modules()
     }
     assert {m: names for m, names in found.items() if names} == {}
 
 
+def test_the_assembly_imports_the_features_only_where_it_builds_them():
+    wiring = PACKAGE / WIRING
+    assert not {n for n in _imports(wiring, top_level_only=True) if n.startswith(EXTRAS)}
+    assert {n for n in _imports(wiring) if n.startswith(EXTRAS)}  # it does wire them in
+
+
 def test_the_check_sees_a_feature_import(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("from kvtail_connector.features.entries import EntryReader\n")
-    assert any(n.startswith(FEATURES) for n in _imports(probe))
+    probe.write_text("def f():\n    from kvtail_connector.extras.entries import EntryReader\n")
+    assert any(n.startswith(EXTRAS) for n in _imports(probe))
+    assert len(_core_modules()) > 40  # the walk sees the core

@@ -49,18 +49,27 @@ def test_a_copied_record_keeps_its_block_ids():
 
 
 def test_a_whole_metadata_reads_back_field_for_field():
+    from kvtail_connector.extras.metadata import CheckedLoad, EntryStep, LoadCheck
+
     records = tuple(
         LoadRecord(
             f"r{i}",
             i,
             100 + i,
             (GroupLoad(0, 0, tuple(range(i, i + 7))), GroupLoad(1, 2, (NULL_BLOCK, i))),
-            vouched=bool(i % 2),
-            states=(GroupLoad(3, 6, (40 + i,)),),
         )
         for i in range(5)
     )
-    meta = KVTailMetadata(inner=None, loads=records, producer_tails=records[:2])  # type: ignore[arg-type]
+    prompts = tuple(
+        CheckedLoad(*r, states=(GroupLoad(3, 6, (40 + i,)),)) for i, r in enumerate(records)
+    )
+    step = EntryStep(
+        producer_tails=records[:2],
+        producer_digests=prompts[2:],
+        vouched=frozenset({"r1", "r3"}),
+        checks={"r4": LoadCheck(None, (GroupLoad(3, 6, (44,)),))},  # type: ignore[arg-type]
+    )
+    meta = KVTailMetadata(inner=None, loads=records, extra=step)  # type: ignore[arg-type]
     got = _roundtrip(meta)
 
     def plain(r):
@@ -69,10 +78,15 @@ def test_a_whole_metadata_reads_back_field_for_field():
             r.num_local,
             r.num_loaded,
             tuple((g.group, g.first_block, tuple(g.block_ids)) for g in r.groups),
-            r.vouched,
-            r.expected,
-            tuple((g.group, g.first_block, tuple(g.block_ids)) for g in r.states),
         )
 
+    def states(loads):
+        return tuple((g.group, g.first_block, tuple(g.block_ids)) for g in loads)
+
     assert [plain(r) for r in got.loads] == [plain(r) for r in records]
-    assert [plain(r) for r in got.producer_tails] == [plain(r) for r in records[:2]]
+    assert [plain(r) for r in got.extra.producer_tails] == [plain(r) for r in records[:2]]
+    assert [(plain(p), states(p.states)) for p in got.extra.producer_digests] == [
+        (plain(p), states(p.states)) for p in prompts[2:]
+    ]
+    assert got.extra.vouched == step.vouched
+    assert states(got.extra.checks["r4"].states) == ((3, 6, (44,)),)

@@ -5,19 +5,19 @@ digest across the ``kvtail`` entry (the digest itself:
 
 from __future__ import annotations
 
-from kvtail_connector import entry
-from kvtail_connector.entry import Digest, Limits, StateDigest
-from kvtail_connector.features.kv_verification.rank_states import RankStates, StateSet
-from kvtail_connector.kvgroups import state_block
-from kvtail_connector.metadata import (
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.entry import Digest, Limits, StateDigest
+from kvtail_connector.extras.kv_verification.rank_states import RankStates, StateSet
+from kvtail_connector.extras.metadata import (
     MISMATCH,
     UNVERIFIED,
     VERIFIED,
+    CheckedLoad,
     ExpectedDigest,
-    GroupLoad,
-    LoadRecord,
 )
-from kvtail_connector.ops.state_digest import StateLayer
+from kvtail_connector.extras.ops.state_digest import StateLayer
+from kvtail_connector.kvgroups import state_block
+from kvtail_connector.metadata import GroupLoad
 from tests.ops.test_state_digest import MASK, _layers, _reference
 
 
@@ -33,7 +33,7 @@ def _set(layers: list[StateLayer], gid: int = 1) -> StateSet:
 
 
 def _producer_digest(p: RankStates, block: int, n: int = 40) -> Digest:
-    record = LoadRecord("r", 0, n, (), states=(GroupLoad(1, 0, (block,)),))
+    record = CheckedLoad("r", 0, n, (), states=(GroupLoad(1, 0, (block,)),))
     part = p.digest_prompts([record])["r"]
     states = part.digest()
     assert states is not None
@@ -41,7 +41,7 @@ def _producer_digest(p: RankStates, block: int, n: int = 40) -> Digest:
 
 
 def _check(d: RankStates, digest: Digest, block: int) -> str:
-    record = LoadRecord(
+    record = CheckedLoad(
         "r", 0, 40, (), expected=ExpectedDigest(40, digest), states=(GroupLoad(1, 0, (block,)),)
     )
     d.check_loads([record])
@@ -67,7 +67,7 @@ def test_a_consumer_verifies_the_producer_state_and_catches_a_changed_byte() -> 
     other = RankStates([_set(d_layers)], tp_rank=0, tp_size=2)
     other.check_loads(
         [
-            LoadRecord(
+            CheckedLoad(
                 "r",
                 0,
                 40,

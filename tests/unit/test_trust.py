@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector import entry, trust
+from kvtail_connector.extras import entry, trust
 
 NIXL = {
     "do_remote_prefill": True,

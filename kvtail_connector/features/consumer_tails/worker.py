@@ -26,7 +26,7 @@ that orders after the zeroing:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -45,8 +45,8 @@ class Pending:
 
     record: LoadRecord
     # The tail's lines (RankCaches.packed_tail), where its tail is all there
-    # is to do at completion; None: completed one by one (vouched, a digest
-    # to check, a whole block to zero, no caches registered when it arrived).
+    # is to do at completion; None: completed one by one (an opt-in feature
+    # acts on it, a whole block to zero, no caches registered when it arrived).
     packed: bytes | None
     nbytes: int  # what the packed lines zero
     has_tail: bool  # RankCaches.has_tail(record)
@@ -75,11 +75,13 @@ class ConsumerTailsWorker:
         self._abandoned: set[str] = set()
         self._hold = CompletionHold() if holds_completions else None
 
-    def bind(self, loads: Iterable[LoadRecord]) -> None:
+    def bind(self, loads: Iterable[LoadRecord], extra_acts_on: Container[str] = ()) -> None:
+        """Keep ``loads``, their tails packed for the launch now, but those in
+        ``extra_acts_on`` (the opt-in features act on them at completion)."""
         rank = self._rank
         for record in loads:
             packed, nbytes, has_tail = rank.packed_tail(record)
-            if record.vouched or record.expected is not None:
+            if record.req_id in extra_acts_on:
                 packed = None  # more than its tail to do
             # A new load of a reused id replaces the old one.
             self._loads[record.req_id] = Pending(record, packed, nbytes, has_tail)

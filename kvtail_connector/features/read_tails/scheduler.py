@@ -48,8 +48,8 @@ class ReadTailsScheduler:
         zeroes_read_tails: ship READ tail records (``TailPolicy.zeroes_read_tails``).
         excludes_reads: drop READ destinations from vLLM's zero list
             (``TailPolicy.excludes_reads``).
-        extra: the opt-in features (a producer claim may mark a READ's
-            record vouched), or None.
+        extra: the opt-in features (told of each READ's record: a producer
+            claim may cover its tail), or None.
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class ReadTailsScheduler:
 
     def allocated(self, request: Any, blocks: Any, local: int, loaded: int, allocated: Any) -> None:
         """A READ of tokens ``[local, loaded)`` was allocated (``allocated``:
-        what the extra said of it, for :meth:`SchedulerExtra.read_record`)."""
+        what the extra said of it, for :meth:`SchedulerExtra.read_load`)."""
         if self._zero:
             self._pending.append(_PendingRead(request, blocks, local, loaded, allocated))
 
@@ -129,7 +129,7 @@ class ReadTailsScheduler:
                 if (k := builder.tail_index(record.num_loaded, load.group)) is not None
             ):
                 if self._extra is not None:
-                    record = self._extra.read_record(request, read.allocated, record)
+                    self._extra.read_load(request, read.allocated, record)
                 out.append(record)
         self._pending.clear()
         return tuple(out)

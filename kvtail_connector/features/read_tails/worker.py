@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.features.producer_claims.worker import ClaimsWorker
+from kvtail_connector.extension import WorkerExtra
 from kvtail_connector.features.read_tails.by_layer import LayerWork, ReadTailsByLayer
 from kvtail_connector.features.read_tails.on_reference import ReferenceLayers
 from kvtail_connector.features.zeroing import RankCaches
@@ -45,7 +45,8 @@ class ReadTailsWorker:
         by_layer: READs may land layer by layer (``zeroes_reads_by_layer``).
         trusts_load_claims: claims skip zeroing wherever they match
             (``vouch_tails: trust``); else only on the per-layer path.
-        claims: the claims part (counts what vouched READs skip), if on.
+        extra: the opt-in features' worker half (a producer claim may cover a
+            READ's tail), if any.
     """
 
     def __init__(
@@ -54,12 +55,12 @@ class ReadTailsWorker:
         *,
         by_layer: bool,
         trusts_load_claims: bool,
-        claims: ClaimsWorker | None,
+        extra: WorkerExtra | None,
     ) -> None:
         self._rank = rank
         self._wants_by_layer = by_layer
         self._trust_all = trusts_load_claims
-        self._claims = claims
+        self._extra = extra
         self._read_loads: list[LoadRecord] = []
         self._by_layer: ReadTailsByLayer | None = None
         self._released: ReadTailsByLayer | None = None
@@ -123,8 +124,8 @@ class ReadTailsWorker:
         # READs not all landed): where one launch zeroes every READ tail now,
         # skipping saves a share of it, and the tail is zeroed (claim unused).
         per_layer = not landed and self._by_layer is not None
-        if self._claims is not None:
-            records = self._claims.skip_vouched_reads(records, trusted=per_layer or self._trust_all)
+        if self._extra is not None:
+            records = self._extra.reads_to_zero(records, trusted=per_layer or self._trust_all)
             if not records:
                 return
         by_layer = self._by_layer

@@ -619,7 +619,8 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
     # under FULL CUDA graphs) the tail is zeroed and the claim counted unused.
     # With trust, skipped everywhere. A mismatched length, or an entry copied
     # from another transfer, gets today's zeroing.
-    from kvtail_connector import _compat, entry, trust
+    from kvtail_connector import _compat
+    from kvtail_connector.extras import entry, trust
     from kvtail_connector.stats import KVTailStats
     from tests.helpers.worker_caches import allocate, make_tail_worker
 
@@ -634,8 +635,9 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
         params[entry.KEY] = entry.Entry(n, geometry, tail_zero=True, binding=bound).to_json()
         run.add("read", 100, params)
         out = run.scheduler.schedule()
-        (record,) = out.kv_connector_metadata.read_loads
-        assert record.vouched is vouched
+        meta = out.kv_connector_metadata
+        (record,) = meta.read_loads
+        assert (meta.extra is not None and record.req_id in meta.extra.vouched) is vouched
         counted = run.scheduler.connector.get_kv_connector_stats()
         # The binding is checked only where the claim can skip a zeroing: a
         # copied entry is declined there, elsewhere only counted unused.

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtail_connector.ops.digest.torch_path import fmix64 as fmix64_torch
-from kvtail_connector.ops.state_digest.reference import WORD_MUL, signed
+from kvtail_connector.extras.ops.digest.torch_path import fmix64 as fmix64_torch
+from kvtail_connector.extras.ops.state_digest.reference import WORD_MUL, signed
 
 _LOW32 = (1 << 32) - 1
 

@@ -7,7 +7,7 @@ step's worker metadata; the scheduler half vouches only for what every rank
 confirmed.
 
 On a consumer: a tail whose claim the scheduler half trusted (a bound,
-matching ``kvtail`` entry; ``LoadRecord.vouched``) is not zeroed, only
+matching ``kvtail`` entry; ``EntryStep.vouched``) is not zeroed, only
 counted; with ``probe_stale_tails`` it is checked first, and a claim found
 false is zeroed anyway, logged and reported (counted once per request on the
 scheduler side, whichever rank found it).
@@ -16,6 +16,7 @@ scheduler side, whichever rank found it).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -117,20 +118,22 @@ class ClaimsWorker:
         self._false_vouches.extend(false)
         return [b for b in lined if b.owner in false], false_tails
 
-    def skip_vouched_reads(self, records: list[LoadRecord], *, trusted: bool) -> list[LoadRecord]:
-        """The READ loads of ``records`` still to zero. Where claims are
-        ``trusted``, vouched ones are not zeroed (READs copy the producer's
-        blocks, zeroed at the source), only their bytes counted (the probe's
-        canary covers async loads only); otherwise their claims count as
-        unused."""
-        vouched = [r for r in records if r.vouched]
+    def skip_vouched_reads(
+        self, records: list[LoadRecord], vouched_ids: AbstractSet[str], *, trusted: bool
+    ) -> list[LoadRecord]:
+        """The READ loads of ``records`` still to zero (``vouched_ids``: those
+        a claim covers). Where claims are ``trusted``, vouched ones are not
+        zeroed (READs copy the producer's blocks, zeroed at the source), only
+        their bytes counted (the probe's canary covers async loads only);
+        otherwise their claims count as unused."""
+        vouched = [r for r in records if r.req_id in vouched_ids]
         if not vouched:
             return records
         if not trusted:
             self.count_unused(vouched)
             return records
         self.count_vouched(sum(self._rank.stale_tail(r).nbytes for r in vouched), vouched)
-        return [r for r in records if not r.vouched]
+        return [r for r in records if r.req_id not in vouched_ids]
 
     def count_vouched(self, nbytes: int, records: list[LoadRecord]) -> None:
         rank = self._rank

@@ -5,8 +5,9 @@ A producer notes its remote-decode prefill legs, ships the records its
 workers zero or digest, and when the request finishes writes one entry into
 its params with what every worker confirmed (:class:`EntryWriter`). A
 consumer reads the entry once per allocation (:class:`EntryReader`); a bound
-claim may mark the load's record vouched, a digest attaches to it, and the
-workers' verdicts and false vouches are counted per load.
+claim may vouch for the load's tail and a digest be checked against it (both
+shipped in the step's :class:`~kvtail_connector.extras.metadata.EntryStep`,
+by request), and the workers' verdicts and false vouches are counted per load.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from kvtail_connector import entry
-from kvtail_connector.extension import BuildRecord, StepRecords
-from kvtail_connector.features.entries import EntryReader, EntryWriter, binding_nodes
-from kvtail_connector.features.kv_verification.scheduler import VerificationScheduler
-from kvtail_connector.features.producer_claims.scheduler import ClaimsScheduler
+from kvtail_connector.extension import BuildRecord
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.entries import EntryReader, EntryWriter, binding_nodes
+from kvtail_connector.extras.kv_verification.scheduler import VerificationScheduler
+from kvtail_connector.extras.metadata import EntryStep, ExpectedDigest, LoadCheck, report_of
+from kvtail_connector.extras.producer_claims.scheduler import ClaimsScheduler
 from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.metadata import ExpectedDigest, GroupLoad, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.metadata import GroupLoad, LoadRecord
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
@@ -87,6 +89,10 @@ class EntryFeatures:
         # completing prompts, params kept at the finish): None on a consumer.
         self._vouching = self._claims if policy.vouches_for_tails else None
         self._digesting = self._verify if policy.digests_prompts else None
+        # The loads recorded since the last step payload: those whose tail a
+        # claim covers, and those to check against a digest.
+        self._vouched: set[str] = set()
+        self._checks: dict[str, LoadCheck] = {}
 
     @staticmethod
     def needed(policy: TailPolicy) -> bool:
@@ -106,7 +112,7 @@ class EntryFeatures:
         if self._digesting is not None:
             self._digesting.on_new_request(request)
 
-    def step_records(self, scheduler_output: Any, manager: Any) -> StepRecords:
+    def step_payload(self, scheduler_output: Any, manager: Any) -> EntryStep | None:
         vouching, digesting = self._vouching, self._digesting
         # Params left by an update_from_output that had no connector output:
         # they have left the engine; no entry is added to them after that.
@@ -114,12 +120,17 @@ class EntryFeatures:
             vouching.drop_provisional()
         if digesting is not None:
             digesting.drop_provisional()
-        return StepRecords(
+        vouched, self._vouched = self._vouched, set()
+        checks, self._checks = self._checks, {}
+        step = EntryStep(
             producer_tails=vouching.producer_records(scheduler_output, manager) if vouching else (),
             producer_digests=(
                 digesting.digest_records(scheduler_output, manager) if digesting else ()
             ),
+            vouched=frozenset(vouched),
+            checks=checks,
         )
+        return step if step else None
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         if self._reader is not None:
@@ -162,10 +173,11 @@ class EntryFeatures:
             and claims is not None
             and claims.used(request, claim, record, policy.trusts_load_claims)
         ):
-            record = record._replace(vouched=True)
+            self._vouched.add(record.req_id)
         if expected is not None:
-            states = self._states(blocks, groups, expected)
-            record = record._replace(expected=expected, states=states)
+            self._checks[record.req_id] = LoadCheck(
+                expected, self._states(blocks, groups, expected)
+            )
         return record
 
     def _states(
@@ -182,16 +194,15 @@ class EntryFeatures:
         reading = self._reader.take(request.request_id) if self._reader is not None else None
         return reading.claim if reading is not None else None
 
-    def read_record(self, request: Any, allocated: Any, record: LoadRecord) -> LoadRecord:
+    def read_load(self, request: Any, allocated: Any, record: LoadRecord) -> None:
         claims = self._claims
         if claims is not None and claims.used(
             request, allocated, record, self._policy.trusts_read_claims
         ):
-            return record._replace(vouched=True)
-        return record
+            self._vouched.add(record.req_id)
 
     def update_connector_output(
-        self, connector_output: Any, worker_meta: KVTailWorkerMeta | None, in_flight: Any
+        self, connector_output: Any, worker_meta: Any, in_flight: Any
     ) -> None:
         """Grant the producer claims and digests of requests finished in this
         call, then count the loads' false vouches and verdicts."""
@@ -207,8 +218,10 @@ class EntryFeatures:
             )
         if not in_flight:
             return
-        if claims is not None and worker_meta is not None and worker_meta.false_vouches:
-            claims.count_false_vouches(worker_meta.false_vouches, in_flight)
+        if claims is not None and worker_meta is not None:
+            false_vouches = report_of(worker_meta).false_vouches
+            if false_vouches:
+                claims.count_false_vouches(false_vouches, in_flight)
         if verify is not None and self._policy.verifies_loads:
             verify.count_verdicts(connector_output, worker_meta, in_flight)
 
@@ -221,6 +234,10 @@ class EntryFeatures:
     def contain_alloc(self, req_id: str) -> None:
         if self._reader is not None:
             self._reader.take(req_id)
+
+    def contain_meta(self) -> None:
+        self._vouched = set()
+        self._checks = {}
 
     def contain_output(self, connector_output: Any) -> None:
         if self._vouching is not None:
@@ -255,4 +272,5 @@ class EntryFeatures:
     @property
     def num_tracked(self) -> int:
         parts = (self._reader, self._claims, self._verify)
-        return sum(part.num_tracked for part in parts if part is not None)
+        marks = len(self._vouched) + len(self._checks)
+        return marks + sum(part.num_tracked for part in parts if part is not None)

@@ -6,7 +6,7 @@ without waiting; the parts travel in the worker metadata. A consumer digests
 each completed load that came with the producer's digest before anything
 reads it, holds its completion out of ``finished_recving`` until the sums are
 on the host and compared, and reports a mismatch in ``failed_recving``
-(:mod:`~kvtail_connector.features.kv_verification.rank_digests`).
+(:mod:`~kvtail_connector.extras.kv_verification.rank_digests`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.features.kv_verification.rank_digests import (
+from kvtail_connector.extras.kv_verification.rank_digests import (
     HeadPlacement,
     PlannedPrompt,
     RankDigests,
 )
-from kvtail_connector.features.kv_verification.rank_states import RankStates, StateSet
+from kvtail_connector.extras.kv_verification.rank_states import RankStates, StateSet
+from kvtail_connector.extras.metadata import CheckedLoad, DigestPart, combined_verdict
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import DigestPart, LoadRecord, combined_verdict
 
 logger = get_logger(__name__)
 
@@ -50,7 +50,7 @@ class VerificationWorker:
         self._bad: set[str] = set()
         # A producer's prompts bound this step (planned, or records where no
         # caches were registered yet).
-        self._records: list[PlannedPrompt | LoadRecord] = []
+        self._records: list[PlannedPrompt | CheckedLoad] = []
         self._parts: dict[str, DigestPart] = {}  # and their sums, for the worker metadata
 
     def register(self, sets: list[CacheSet], states: list[StateSet] | None = None) -> None:
@@ -79,7 +79,7 @@ class VerificationWorker:
     # -------------------------------------------------------------- producer
 
     def bind(
-        self, producer_digests: Iterable[LoadRecord], loads: Iterable[LoadRecord] = ()
+        self, producer_digests: Iterable[CheckedLoad], loads: Iterable[CheckedLoad] = ()
     ) -> None:
         """Plan this step's producer prompts and, on a consumer, its new loads
         carrying a digest, so that the hook and the completion only launch."""
@@ -123,7 +123,7 @@ class VerificationWorker:
 
     # -------------------------------------------------------------- consumer
 
-    def check(self, records: list[LoadRecord]) -> None:
+    def check(self, records: list[CheckedLoad]) -> None:
         """Digest these completed loads (each with ``expected``), before the
         zeroing launch (disjoint slots) and before the scheduler can hand the
         blocks to a forward."""

@@ -1,6 +1,6 @@
 """What binds a ``kvtail`` entry to its transfer, and the optional shared key.
 
-An entry (:mod:`kvtail_connector.entry`) travels in ``kv_transfer_params``,
+An entry (:mod:`kvtail_connector.extras.entry`) travels in ``kv_transfer_params``,
 which any client of D's OpenAI server can set and which routers copy whole
 from P's answer. Two things tie it to what it speaks about:
 
@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvtail_connector import entry
+from kvtail_connector.extras import entry
 
 # The keys of kv_transfer_params that identify a transfer, in both releases'
 # NIXL (pull and push) and MoRIIO request_finished. Absent ones are left out.

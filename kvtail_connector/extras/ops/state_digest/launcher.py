@@ -21,9 +21,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvtail_connector.extras.ops.state_digest import torch_path
+from kvtail_connector.extras.ops.state_digest.reference import signed, state_plane
 from kvtail_connector.ops.staging import PinnedStaging
-from kvtail_connector.ops.state_digest import torch_path
-from kvtail_connector.ops.state_digest.reference import signed, state_plane
 
 Implementation = Literal["auto", "triton", "torch"]
 
@@ -60,7 +60,7 @@ def _sm_count(index: int) -> int:
 
 
 def _kernel() -> Any:
-    from kvtail_connector.ops.state_digest.kernel import state_digest_kernel
+    from kvtail_connector.extras.ops.state_digest.kernel import state_digest_kernel
 
     return state_digest_kernel
 

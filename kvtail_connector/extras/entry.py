@@ -33,7 +33,7 @@ Wire format (JSON; :data:`VERSION` 2)::
   KV cache group with token tails, in group order, at most one per KV cache
   group of D; DCP size and interleave; a signature of those groups' specs).
 - ``bind``: what identifies this transfer in the params P's inner connector
-  returned (:func:`kvtail_connector.trust.binding`): D trusts and uses the
+  returned (:func:`kvtail_connector.extras.trust.binding`): D trusts and uses the
   entry only with the params whose binding it matches.
 - ``tail: "zero"``: every slot past ``n`` in the block holding token
   ``n - 1`` is zero on every rank and group of P. Absent where P does not
@@ -54,7 +54,7 @@ Wire format (JSON; :data:`VERSION` 2)::
   absent without a key.
 
 This module only builds and reads the entry; who trusts it and when is the
-consumer's business (:mod:`kvtail_connector.trust`, ``TailScheduler``).
+consumer's business (:mod:`kvtail_connector.extras.trust`, ``TailScheduler``).
 """
 
 from __future__ import annotations

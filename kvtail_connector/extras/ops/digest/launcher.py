@@ -28,8 +28,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvtail_connector.ops.digest import torch_path
-from kvtail_connector.ops.digest.plan import (
+from kvtail_connector.extras.ops.digest import torch_path
+from kvtail_connector.extras.ops.digest.plan import (
     HEADER,
     MODE_VECTORS,
     DigestGroup,
@@ -43,7 +43,7 @@ from kvtail_connector.ops.digest.plan import (
     span_request,
     work_buffer,
 )
-from kvtail_connector.ops.digest.reference import ALGORITHM
+from kvtail_connector.extras.ops.digest.reference import ALGORITHM
 from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.staging import PinnedStaging
 
@@ -407,7 +407,7 @@ class KVDigester:
         }
 
     def _launch(self, work: torch.Tensor, units: int) -> None:
-        from kvtail_connector.ops.digest.kernel import kv_digest_kernel
+        from kvtail_connector.extras.ops.digest.kernel import kv_digest_kernel
 
         grid = max(1, min(units, self._programs))
         if self.device.type != "cuda":  # the interpreter

@@ -26,19 +26,24 @@ from typing import Any
 
 import torch
 
-from kvtail_connector import entry
-from kvtail_connector.features.kv_verification.held_checks import HeldChecks
-from kvtail_connector.kvgroups import GroupInfo, layer_spec
-from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import (
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
+from kvtail_connector.extras.metadata import (
     MISMATCH,
-    NULL_BLOCK,
     UNVERIFIED,
     VERIFIED,
-    LoadRecord,
+    CheckedLoad,
     StatePart,
 )
-from kvtail_connector.ops.state_digest import STATE_ALGORITHM, StateDigester, StateLayer, as_u64
+from kvtail_connector.extras.ops.state_digest import (
+    STATE_ALGORITHM,
+    StateDigester,
+    StateLayer,
+    as_u64,
+)
+from kvtail_connector.kvgroups import GroupInfo, layer_spec
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import NULL_BLOCK
 
 logger = get_logger(__name__)
 
@@ -113,7 +118,7 @@ def state_sets(
 class _Check:
     """A consumer's state digest of one load, on its way to the host."""
 
-    record: LoadRecord
+    record: CheckedLoad
     sums: Any  # int64 [groups] (host tensor, valid once event fired)
     event: Any  # CUDA event, or None
     groups: tuple[int, ...]  # the groups compared
@@ -141,7 +146,7 @@ class RankStates:
 
     # -------------------------------------------------------------- producer
 
-    def digest_prompts(self, records: Sequence[LoadRecord]) -> dict[str, StatePart]:
+    def digest_prompts(self, records: Sequence[CheckedLoad]) -> dict[str, StatePart]:
         """The state sums of each record (one pass over the state groups);
         they resolve when read (after a non-blocking copy on CUDA)."""
         todo = [r for r in records if r.states]
@@ -160,11 +165,11 @@ class RankStates:
 
     # -------------------------------------------------------------- consumer
 
-    def check_loads(self, records: Iterable[LoadRecord]) -> None:
+    def check_loads(self, records: Iterable[CheckedLoad]) -> None:
         """Digest the state blocks of completed loads whose producer sent a
         state digest, and hold them until :meth:`release`; a load whose
         digest was made on another layout gets no comparison (not verified)."""
-        todo: list[tuple[LoadRecord, tuple[int, ...]]] = []
+        todo: list[tuple[CheckedLoad, tuple[int, ...]]] = []
         for r in records:
             expected = r.expected
             states = expected.digest.states if expected is not None else None
@@ -217,7 +222,7 @@ class RankStates:
 
     # --------------------------------------------------------------- helpers
 
-    def _blocks(self, record: LoadRecord, only: Sequence[int] | None = None) -> list[int | None]:
+    def _blocks(self, record: CheckedLoad, only: Sequence[int] | None = None) -> list[int | None]:
         by_group = {
             load.group: load.block_ids[0]
             for load in record.states

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtail_connector.ops.digest.plan import KindPlan, Row
-from kvtail_connector.ops.digest.reference import POS_MUL, WORD_MUL
+from kvtail_connector.extras.ops.digest.plan import KindPlan, Row
+from kvtail_connector.extras.ops.digest.reference import POS_MUL, WORD_MUL
 
 _LOW31 = (1 << 31) - 1
 _LOW32 = (1 << 32) - 1

@@ -53,25 +53,25 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtail_connector import entry
 from kvtail_connector.cache_sets import CacheSet, cache_slots
-from kvtail_connector.features.kv_verification.held_checks import HeldChecks
-from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import (
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
+from kvtail_connector.extras.metadata import (
     MISMATCH,
-    NULL_BLOCK,
     UNVERIFIED,
     VERIFIED,
+    CheckedLoad,
     DigestPart,
-    LoadRecord,
 )
-from kvtail_connector.ops import RegionCache
-from kvtail_connector.ops.digest.launcher import (
+from kvtail_connector.extras.ops.digest.launcher import (
     ALGORITHM,
     DigestGroup,
     GroupSpan,
     KVDigester,
 )
+from kvtail_connector.log import get_logger
+from kvtail_connector.metadata import NULL_BLOCK
+from kvtail_connector.ops import RegionCache
 
 logger = get_logger(__name__)
 _T = TypeVar("_T")
@@ -124,7 +124,7 @@ class HeadPlacement:
 class PlannedPrompt:
     """A producer's prompt, ready to digest (:meth:`RankDigests.plan_prompts`)."""
 
-    record: LoadRecord
+    record: CheckedLoad
     segment: int
     spans: tuple[GroupSpan | None, ...]  # per digested group
 
@@ -135,7 +135,7 @@ class PlannedLoad:
     (:meth:`RankDigests.plan_loads`); ``verdict`` is set where it cannot be
     compared (nothing to digest)."""
 
-    record: LoadRecord
+    record: CheckedLoad
     verdict: str | None
     segment: int = 0
     segments: range = range(0)
@@ -156,7 +156,7 @@ class _Check:
     passes: int = 0
 
     @property
-    def record(self) -> LoadRecord:
+    def record(self) -> CheckedLoad:
         return self.load.record
 
 
@@ -208,7 +208,7 @@ class RankDigests:
 
     # -------------------------------------------------------------- producer
 
-    def plan_prompts(self, records: Iterable[LoadRecord]) -> list[PlannedPrompt]:
+    def plan_prompts(self, records: Iterable[CheckedLoad]) -> list[PlannedPrompt]:
         """Plan the digest of tokens ``[0, num_loaded)`` of each producer record
         (at bind)."""
         return [
@@ -221,7 +221,7 @@ class RankDigests:
         ]
 
     def digest_prompts(
-        self, prompts: Sequence[PlannedPrompt | LoadRecord]
+        self, prompts: Sequence[PlannedPrompt | CheckedLoad]
     ) -> dict[str, DigestPart]:
         """Digest each prompt (planned, or a record planned now), one launch
         per segment size, on the current stream; the parts resolve when read."""
@@ -243,7 +243,7 @@ class RankDigests:
 
     # -------------------------------------------------------------- consumer
 
-    def plan_loads(self, records: Iterable[LoadRecord]) -> None:
+    def plan_loads(self, records: Iterable[CheckedLoad]) -> None:
         """Plan the check of each load whose producer sent a digest (at bind);
         :meth:`check_loads` uses the plan when the same record completes. A
         record whose plan fails is planned again (and fails) at completion."""
@@ -266,7 +266,7 @@ class RankDigests:
             for req_id in req_ids:
                 planned.pop(req_id, None)
 
-    def check_loads(self, records: Iterable[LoadRecord]) -> None:
+    def check_loads(self, records: Iterable[CheckedLoad]) -> None:
         """Digest the received slots of completed loads whose producer sent a
         digest (``record.expected``), one launch per segment size, and hold
         them until :meth:`release`. A load that cannot be compared (another
@@ -292,7 +292,7 @@ class RankDigests:
                     _Check(load, functools.partial(_row, results, i), pending.event),
                 )
 
-    def _plan_load(self, r: LoadRecord) -> PlannedLoad:
+    def _plan_load(self, r: CheckedLoad) -> PlannedLoad:
         expected = r.expected
         assert expected is not None
         dg = expected.digest
@@ -398,7 +398,7 @@ class RankDigests:
             digester = self._digesters[key] = KVDigester(groups, segment=segment)
         return digester
 
-    def _span(self, record: LoadRecord, group: int, start: int, end: int) -> GroupSpan | None:
+    def _span(self, record: CheckedLoad, group: int, start: int, end: int) -> GroupSpan | None:
         """Tokens ``[start, end)`` of ``record`` in ``group``, or None where the
         record does not write that group or a block of the range is null."""
         eb = self._block_tokens.get(group, 0)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED
 from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
-from kvtail_connector.metadata import MISMATCH, UNVERIFIED
 
 
 class Check(Protocol):

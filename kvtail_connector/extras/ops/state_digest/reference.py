@@ -30,7 +30,7 @@ this; ``tests/ops/test_state_digest.py`` holds an independent reference.
 
 from __future__ import annotations
 
-from kvtail_connector.ops.digest.reference import MASK64, WORD_MUL, fmix64
+from kvtail_connector.extras.ops.digest.reference import MASK64, WORD_MUL, fmix64
 
 __all__ = ["STATE_ALGORITHM", "STATE_SEED", "WORD_MUL", "as_u64", "signed", "state_plane"]
 

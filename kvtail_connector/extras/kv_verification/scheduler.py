@@ -4,7 +4,7 @@ On a producer: ship every block of each remote-decode prompt the step
 completes for the workers to digest, and when the request finishes keep its
 params until ``update_connector_output`` brings the ranks' summed digest,
 which the entry then carries (``dg``). On a consumer: the digest read from the
-entry travels with the load (``LoadRecord.expected``); the ranks' verdicts
+entry travels with the load (``EntryStep.checks``); the ranks' verdicts
 are folded per load and counted once vLLM reports the load finished.
 """
 
@@ -12,8 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtail_connector import entry
-from kvtail_connector.features.entries import FinishedParams, every_rank
+from kvtail_connector.extras import entry
+from kvtail_connector.extras.entries import FinishedParams, every_rank
+from kvtail_connector.extras.metadata import (
+    MISMATCH,
+    VERIFIED,
+    CheckedLoad,
+    combined_verdict,
+    report_of,
+)
 from kvtail_connector.features.records import (
     LoadRecords,
     completing_prompts,
@@ -22,14 +29,7 @@ from kvtail_connector.features.records import (
     state_loads,
 )
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import (
-    MISMATCH,
-    VERIFIED,
-    GroupLoad,
-    KVTailWorkerMeta,
-    LoadRecord,
-    combined_verdict,
-)
+from kvtail_connector.metadata import GroupLoad
 from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
@@ -61,7 +61,7 @@ class VerificationScheduler:
         if self._digest and is_prefill_leg(request):
             self._producing[request.request_id] = request
 
-    def digest_records(self, scheduler_output: Any, manager: Any) -> tuple[LoadRecord, ...]:
+    def digest_records(self, scheduler_output: Any, manager: Any) -> tuple[CheckedLoad, ...]:
         """Every block of ``[0, n)``, in each group with token tails, of the
         prompts this step completes."""
         if not self._producing:
@@ -74,7 +74,7 @@ class VerificationScheduler:
             self._digesting[req_id] = n
         return tuple(records)
 
-    def _record(self, req_id: str, n: int, block_ids: Any) -> LoadRecord:
+    def _record(self, req_id: str, n: int, block_ids: Any) -> CheckedLoad:
         groups = []
         for info in self._records.groups:
             if not info.has_tails:
@@ -82,7 +82,7 @@ class VerificationScheduler:
             ids = null_as_ours(tuple(block_ids[info.group_id][: -(-n // info.effective_block)]))
             groups.append(GroupLoad(info.group_id, 0, ids))
         states = state_loads(self._records.groups, block_ids)
-        return LoadRecord(req_id, 0, n, tuple(groups), states=states)
+        return CheckedLoad(req_id, 0, n, tuple(groups), states=states)
 
     def consumer_states(self, block_ids: Any, loaded_groups: Any) -> tuple[GroupLoad, ...]:
         """The state blocks a load writes (state groups the inner connector
@@ -101,7 +101,7 @@ class VerificationScheduler:
             self._finished.keep(req_id, params, digested)
 
     def granted(
-        self, worker_meta: KVTailWorkerMeta | None, workers: int
+        self, worker_meta: Any, workers: int
     ) -> dict[str, tuple[dict[str, Any], int, entry.Digest]]:
         """The requests finished in this call that every worker digested,
         with the summed digest; the others leave without one (their consumer
@@ -132,13 +132,11 @@ class VerificationScheduler:
         the ones the digest covers (nothing would compare them)."""
         self._stats.add("digests_skipped", 1)
 
-    def count_verdicts(
-        self, connector_output: Any, worker_meta: KVTailWorkerMeta | None, in_flight: Any
-    ) -> None:
+    def count_verdicts(self, connector_output: Any, worker_meta: Any, in_flight: Any) -> None:
         """Fold this step's verdicts of the ranks; count each load once vLLM
         reports it finished (every rank then reported its verdict)."""
         if worker_meta is not None:
-            for req_id, found in worker_meta.verdicts.items():
+            for req_id, found in report_of(worker_meta).verdicts.items():
                 if req_id in in_flight:
                     have = self._verdicts.get(req_id)
                     self._verdicts[req_id] = (

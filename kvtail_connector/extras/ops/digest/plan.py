@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtail_connector.extras.ops.digest.reference import MASK64, SEED
 from kvtail_connector.ops.dcp import dcp_local_valid_slots
-from kvtail_connector.ops.digest.reference import MASK64, SEED
 from kvtail_connector.ops.geometry import RegionCache, describe_caches
 from kvtail_connector.ops.integers import as_int, int_rows
 

@@ -1,7 +1,7 @@
 """The ``kvtail`` entry on the scheduler side: a producer writes it, a
 consumer reads it once per request.
 
-The entry (:mod:`kvtail_connector.entry`, its wire model) carries what two
+The entry (:mod:`kvtail_connector.extras.entry`, its wire model) carries what two
 parts say across the network: producer claims (``tail_zero``) and KV
 verification (``dg``). A producer adds one entry per request, bound to the
 transfer its params name and signed with the shared key, if any
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from kvtail_connector import entry, trust
 from kvtail_connector._version import __version__
+from kvtail_connector.extras import entry, trust
+from kvtail_connector.extras.metadata import EntryReport, ExpectedDigest, report_of
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import ExpectedDigest, KVTailWorkerMeta
 from kvtail_connector.policy import TailPolicy
 from kvtail_connector.stats import KVTailStats
 
@@ -76,11 +76,11 @@ class FinishedParams:
         return len(self._held)
 
 
-def every_rank(worker_meta: KVTailWorkerMeta | None, workers: int) -> KVTailWorkerMeta | None:
-    """The step's worker metadata where every worker's is folded into it
+def every_rank(worker_meta: Any, workers: int) -> EntryReport | None:
+    """The step's report where every worker's metadata is folded into it
     (ranks are ids: a replayed output repeats a rank, never adds one), else None."""
     if worker_meta is not None and len(worker_meta.ranks) == workers:
-        return worker_meta
+        return report_of(worker_meta)
     return None
 
 

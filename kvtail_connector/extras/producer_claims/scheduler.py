@@ -5,14 +5,14 @@ tail record for each prompt the step completes (the workers zero it in that
 step), and when the request finishes keep its params until the
 ``update_connector_output`` of the same ``update_from_output`` call says
 whether every worker confirmed the zeroing; then the entry vouches for it
-(:class:`~kvtail_connector.features.entries.EntryWriter`). That the two calls
+(:class:`~kvtail_connector.extras.entries.EntryWriter`). That the two calls
 come in one step is vLLM's (``Scheduler.update_from_output`` finishes
 requests, then updates the connector with the step's output); params left
 over by a step without connector output have left the engine and are dropped
 at the next ``build_connector_meta``.
 
 On a consumer: decide whether a bound claim read from the entry lets the
-workers skip a tail (``LoadRecord.vouched``), and count each false claim a
+workers skip a tail (``EntryStep.vouched``), and count each false claim a
 worker's probe found once per request.
 """
 
@@ -23,10 +23,10 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.features.entries import FinishedParams, decline, every_rank
+from kvtail_connector.extras.entries import FinishedParams, decline, every_rank
 from kvtail_connector.features.records import LoadRecords, completing_prompts, is_prefill_leg
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import GroupLoad, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.metadata import GroupLoad, LoadRecord
 from kvtail_connector.stats import KVTailStats
 from kvtail_connector.tails import tail_block
 
@@ -97,9 +97,7 @@ class ClaimsScheduler:
         if request.num_preemptions == preemptions and request.num_computed_tokens >= num_tokens:
             self._finished.keep(req_id, params, num_tokens)
 
-    def granted(
-        self, worker_meta: KVTailWorkerMeta | None, workers: int
-    ) -> dict[str, tuple[dict[str, Any], int]]:
+    def granted(self, worker_meta: Any, workers: int) -> dict[str, tuple[dict[str, Any], int]]:
         """The requests finished in this call whose tail every worker zeroed
         in the step just processed; the others leave without a claim (their
         consumer zeroes as if P were plain vLLM)."""
