@@ -32,12 +32,12 @@ from without_vllm import install_if_absent
 
 install_if_absent()
 
-from kvtail_connector.cache_sets import CacheSet  # noqa: E402
+from kvtail_connector.core.cache_sets import CacheSet  # noqa: E402
+from kvtail_connector.core.metadata import GroupLoad  # noqa: E402
 from kvtail_connector.extras.entry import Digest  # noqa: E402
 from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
 from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest  # noqa: E402
 from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
-from kvtail_connector.metadata import GroupLoad  # noqa: E402
 
 BLOCK = 16
 SIZES = [(1, 1024), (1, 8192), (1, 131072), (16, 1024), (16, 8192)]

@@ -113,7 +113,7 @@ def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any, Any]:
     """(wrapper, bare, floor) ``VllmConfig`` s, identical but for the connector
     (floor: the do-nothing forwarder). ``floor``: the forwarder in the
     wrapper's place too."""
-    from kvtail_connector.inner import wrapper_fields
+    from kvtail_connector.facade.inner import wrapper_fields
     from tests.helpers import async_double
     from tests.helpers.vllm_factories import make_vllm_config
 
@@ -500,7 +500,7 @@ class _WorkerPair:
         Load i writes tokens [0, L_i) of request ``w{i}`` into its own blocks;
         L_i is not block-aligned, so each load leaves one tail.
         """
-        from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+        from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord
         from tests.helpers.async_double import AsyncLoadDoubleMetadata, LoadSpec
 
         records = []
@@ -574,7 +574,7 @@ def _breakdown(pair: _WorkerPair, meta_w: Any, reps: int) -> dict[str, dict[str,
 
     Pieces are helpers of the worker's shared ``RankCaches`` and its ``KVZeroer``.
     """
-    from kvtail_connector.tails import first_stale_slot
+    from kvtail_connector.core.tails import first_stale_slot
 
     rank = pair.tail_worker._rank
     zeroer = rank.zeroer

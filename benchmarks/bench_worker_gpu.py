@@ -43,6 +43,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorTransferResults,
 )
 
+from kvtail_connector.core.kvgroups import GroupInfo  # noqa: E402
+from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
+from kvtail_connector.core.parts.zeroing import RankPlacement  # noqa: E402
+from kvtail_connector.core.policy import TailPolicy  # noqa: E402
+from kvtail_connector.core.stats import KVTailStats  # noqa: E402
+from kvtail_connector.core.worker import TailWorker  # noqa: E402
 from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement  # noqa: E402
 from kvtail_connector.extras.metadata import (  # noqa: E402
     CheckedLoad,
@@ -51,12 +57,6 @@ from kvtail_connector.extras.metadata import (  # noqa: E402
     LoadCheck,
 )
 from kvtail_connector.extras.worker import EntryFeaturesWorker  # noqa: E402
-from kvtail_connector.features.zeroing import RankPlacement  # noqa: E402
-from kvtail_connector.kvgroups import GroupInfo  # noqa: E402
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord  # noqa: E402
-from kvtail_connector.policy import TailPolicy  # noqa: E402
-from kvtail_connector.stats import KVTailStats  # noqa: E402
-from kvtail_connector.worker import TailWorker  # noqa: E402
 
 BLOCK_TOKENS = 16
 DIGEST_SIZES = ((1, 1024), (1, 8192), (1, 131072), (16, 1024))  # (prompts, tokens each)

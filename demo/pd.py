@@ -26,7 +26,7 @@ from demo.engine import EngineProcess, start_engines
 from demo.mooncake import MooncakeMaster, private_lookup_channel
 from demo.procs import free_ports
 from demo.records import DEFAULT_BLOCK_SIZE, EngineConfig, GenResult, KVInfo
-from kvtail_connector.inner import wrap_kv_transfer_config
+from kvtail_connector.facade.inner import wrap_kv_transfer_config
 
 Backend = Literal["nixl", "mooncake"]
 ZeroTails = Literal["auto", "always", "off"]

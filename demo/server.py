@@ -30,7 +30,7 @@ from demo.procs import die_with_parent
 from demo.records import BASE_ENV, EngineConfig, GenResult, KVInfo
 from demo.slots import RPCS, NoSlotMapError
 
-# The wrapper's Prometheus counters (vllm:kvtail_<name>), see kvtail_connector/prom.py.
+# The wrapper's Prometheus counters (vllm:kvtail_<name>), see kvtail_connector/facade/prom.py.
 KVTAIL_METRIC_PREFIX = "vllm:kvtail_"
 
 
@@ -126,7 +126,7 @@ class EngineServer:
         if cfg.kv_transfer_config is not None:
             # What the plugin does for an API server's command line: vLLM picks
             # some settings by connector name and cannot see inside the wrapper.
-            from kvtail_connector.name_keyed import prepare_environment
+            from kvtail_connector.facade.name_keyed import prepare_environment
 
             prepare_environment(cfg.kv_transfer_config)
         self.llm = LLM(**kw)

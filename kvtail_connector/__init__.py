@@ -18,7 +18,7 @@ from kvtail_connector.ops import (
 
 if TYPE_CHECKING:
     from kvtail_connector.config import KVTailConfig
-    from kvtail_connector.connector import KVTailConnector
+    from kvtail_connector.facade.connector import KVTailConnector
 
 __all__ = [
     "KVTailConfig",
@@ -37,7 +37,7 @@ def __getattr__(name: str) -> Any:
     # vLLM resolves the connector with getattr(module, "KVTailConnector");
     # importing it lazily keeps `import kvtail_connector` free of vLLM.
     if name == "KVTailConnector":
-        from kvtail_connector.connector import KVTailConnector
+        from kvtail_connector.facade.connector import KVTailConnector
 
         return KVTailConnector
     if name == "KVTailConfig":

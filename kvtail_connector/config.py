@@ -50,7 +50,7 @@ class KVTailConfig(BaseModel):
             MooncakeStore, MoRIIO, MultiConnector...): a name registered with
             vLLM's ``KVConnectorFactory`` or, with ``backend_module_path``, a
             class name in that module. The field keeps its public name; the
-            code calls this connector "inner" (``kvtail_connector.inner``
+            code calls this connector "inner" (``kvtail_connector.facade.inner``
             resolves it, ``connectors.InnerAdapter`` says what differs per
             class). It
             has nothing to do with the attention backend or the zeroer's
@@ -98,7 +98,7 @@ class KVTailConfig(BaseModel):
             until the sums are on the host, and reports a mismatch as a failed
             load (vLLM's ``kv_load_failure_policy`` applies); refused at
             start-up where it cannot work (see
-            :func:`~kvtail_connector.policy.resolve_policy`). ``auto``: the
+            :func:`~kvtail_connector.core.policy.resolve_policy`). ``auto``: the
             same wherever it can work, off elsewhere (the start-up INFO line
             says why); a load that comes with no digest is counted in
             ``digests_skipped``. ``off`` (the default): neither; the digest

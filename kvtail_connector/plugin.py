@@ -11,7 +11,7 @@ itself, at start-up of an engine that asked for it. With the plugin,
 
 It is also the only wrapper code that runs before vLLM's CPU platform picks
 the Mamba conv-state layout by connector name (see
-:mod:`kvtail_connector.name_keyed`): in an API server's front end it runs while
+:mod:`kvtail_connector.facade.name_keyed`): in an API server's front end it runs while
 vLLM builds its argument parser, so it reads the command line's
 ``--kv-transfer-config`` as that parser will (:func:`transfer_config_from_argv`)
 and sets what vLLM would set for the connector inside the wrapper, before vLLM
@@ -71,7 +71,7 @@ def register() -> None:
 
         if CONNECTOR_NAME not in KVConnectorFactory._registry:
             KVConnectorFactory.register_connector(
-                CONNECTOR_NAME, "kvtail_connector.connector", CONNECTOR_NAME
+                CONNECTOR_NAME, "kvtail_connector.facade.connector", CONNECTOR_NAME
             )
     except Exception as e:  # noqa: BLE001 - a plugin must not take vLLM down
         logger.warning(
@@ -95,7 +95,7 @@ def apply_command_line_environment(
     is_cpu: bool | None = None,
 ) -> dict[str, str]:
     """Set in ``environ`` what vLLM's platform would set for the connector
-    inside ``KVTailConnector`` (:func:`kvtail_connector.name_keyed.early_environment`),
+    inside ``KVTailConnector`` (:func:`kvtail_connector.facade.name_keyed.early_environment`),
     for the ``--kv-transfer-config`` vLLM's parser will build from ``argv``
     (:func:`transfer_config_from_argv`), keeping any value already there (the
     user's, as vLLM keeps it). Returns what was set: nothing where ``argv``
@@ -105,7 +105,8 @@ def apply_command_line_environment(
     config = transfer_config_from_argv(argv)
     if config is None:
         return {}
-    from kvtail_connector import _compat, name_keyed
+    from kvtail_connector import _compat
+    from kvtail_connector.facade import name_keyed
 
     cpu = _compat.platform_is_cpu() if is_cpu is None else is_cpu
     wanted = name_keyed.early_environment(config, cpu)

@@ -8,7 +8,7 @@ that); prints four sections:
     ``tests/helpers/connector_surface.py``) nor lists in ``OWN_ANSWERS``;
 (b) name-keyed sites: vLLM's decisions by connector name
     (``tests/helpers/name_keyed_scan.py``) against the audit table
-    (``kvtail_connector/name_keyed_table.py``): new, moved, removed;
+    (``kvtail_connector/facade/name_keyed_table.py``): new, moved, removed;
 (c) the two vLLM bugs, by behaviour on the release's real Scheduler
     (``scripts/release_bugs.py``);
 (d) the scheduler suite (``pytest -m scheduler``) on the overlay, unless
@@ -43,7 +43,7 @@ def check_surface() -> int:
     print(f"{len(names)} public names; {len(names) - len(missing)} forwarded or own answers")
     for n in missing:
         print(f"  UNCLASSIFIED {n.name} ({n.kind} of {n.owner}): add a forwarding check or an")
-        print("    OWN_ANSWERS entry (kvtail_connector/connector.py)")
+        print("    OWN_ANSWERS entry (kvtail_connector/facade/connector.py)")
     if not missing:
         print("  none unclassified")
     return len(missing)
@@ -51,7 +51,7 @@ def check_surface() -> int:
 
 def check_name_keyed(vllm_dir: Path, release: str) -> int:
     """(b): prints the sites against the table; returns how many need the table changed."""
-    from kvtail_connector import name_keyed_table as table
+    from kvtail_connector.facade import name_keyed_table as table
     from tests.helpers import name_keyed_scan as scan
 
     audited = release in table.RELEASES

@@ -16,7 +16,7 @@ class InnerAdapter:
     def validate(self, vllm_config: Any, inner_name: str) -> None:
         """Refuse, at start-up, configurations this connector cannot run behind
         the wrapper (for out-of-tree adapters; vLLM's name-keyed checks are
-        applied by :mod:`kvtail_connector.name_keyed`). Raise ValueError naming
+        applied by :mod:`kvtail_connector.facade.name_keyed`). Raise ValueError naming
         the setting and the fix."""
 
     @property

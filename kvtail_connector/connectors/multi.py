@@ -7,7 +7,7 @@ So a child's adapter sees exactly what it would see as the inner connector: its
 own metadata for READ destinations, its own settings for READ mode. vLLM's
 name-keyed checks (``has_connector`` looks into a plain MultiConnector's
 children, never through the wrapper) are applied to the children by
-:mod:`kvtail_connector.name_keyed`.
+:mod:`kvtail_connector.facade.name_keyed`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """NixlConnector (pull and push): what its transfers carry (the checks vLLM keys
-on its name are in :mod:`kvtail_connector.name_keyed`)."""
+on its name are in :mod:`kvtail_connector.facade.name_keyed`)."""
 
 from __future__ import annotations
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvtail_connector._version import __version__
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.extras import entry, trust
 from kvtail_connector.extras.metadata import EntryReport, ExpectedDigest, report_of
 from kvtail_connector.log import get_logger
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvtail_connector.core.metadata import GroupLoad, LoadRecord
 from kvtail_connector.extras.entry import Digest, StateDigest, StateSums, Sums
-from kvtail_connector.metadata import GroupLoad, LoadRecord
 
 MASK64 = (1 << 64) - 1
 

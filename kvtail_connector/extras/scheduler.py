@@ -1,5 +1,5 @@
 """Producer claims and the KV digest on the scheduler side: the features that
-travel in the ``kvtail`` entry, as one :class:`~kvtail_connector.extension.SchedulerExtra`.
+travel in the ``kvtail`` entry, as one :class:`~kvtail_connector.core.extension.SchedulerExtra`.
 
 A producer notes its remote-decode prefill legs, ships the records its
 workers zero or digest, and when the request finishes writes one entry into
@@ -16,16 +16,16 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from kvtail_connector.extension import BuildRecord
+from kvtail_connector.core.extension import BuildRecord
+from kvtail_connector.core.metadata import GroupLoad, LoadRecord
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.entries import EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.extras.kv_verification.scheduler import VerificationScheduler
 from kvtail_connector.extras.metadata import EntryStep, ExpectedDigest, LoadCheck, report_of
 from kvtail_connector.extras.producer_claims.scheduler import ClaimsScheduler
-from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.metadata import GroupLoad, LoadRecord
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.stats import KVTailStats
 
 
 class EntryFeatures:
@@ -238,6 +238,12 @@ class EntryFeatures:
     def contain_meta(self) -> None:
         self._vouched = set()
         self._checks = {}
+        # As step_payload would have first: params left by an
+        # update_from_output without connector output have left the engine.
+        if self._vouching is not None:
+            self._vouching.drop_provisional()
+        if self._digesting is not None:
+            self._digesting.drop_provisional()
 
     def contain_output(self, connector_output: Any) -> None:
         if self._vouching is not None:

@@ -1,5 +1,5 @@
 """Producer claims and the KV digest on the worker side, as one
-:class:`~kvtail_connector.extension.WorkerExtra`.
+:class:`~kvtail_connector.core.extension.WorkerExtra`.
 
 A producer's ranks zero (:class:`ClaimsWorker`) and digest
 (:class:`VerificationWorker`) the prompts its step completes, in the producer
@@ -17,16 +17,16 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.extension import Completed
+from kvtail_connector.core.cache_sets import CacheSet
+from kvtail_connector.core.extension import Completed
+from kvtail_connector.core.metadata import LoadRecord
+from kvtail_connector.core.parts.zeroing import RankCaches
+from kvtail_connector.core.policy import TailPolicy
 from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
 from kvtail_connector.extras.kv_verification.rank_states import state_sets
 from kvtail_connector.extras.kv_verification.worker import VerificationWorker
 from kvtail_connector.extras.metadata import CheckedLoad, EntryReport, EntryStep
 from kvtail_connector.extras.producer_claims.worker import ClaimsWorker
-from kvtail_connector.features.zeroing import RankCaches
-from kvtail_connector.metadata import LoadRecord
-from kvtail_connector.policy import TailPolicy
 
 _NO_STEP = EntryStep()
 
@@ -59,7 +59,7 @@ class EntryFeaturesWorker:
         self._vouched: set[str] = set()
         self._checks: dict[str, CheckedLoad] = {}
         # READ loads bound whose tail a claim covers (taken when they start).
-        self._vouched_reads: frozenset[str] = frozenset()
+        self._vouched_reads: set[str] = set()
 
     @staticmethod
     def needed(policy: TailPolicy) -> bool:
@@ -131,7 +131,7 @@ class EntryFeaturesWorker:
             self._verify.digest_prompts()
 
     def reads_to_zero(self, records: list[LoadRecord], *, trusted: bool) -> list[LoadRecord]:
-        vouched, self._vouched_reads = self._vouched_reads, frozenset()
+        vouched, self._vouched_reads = self._vouched_reads, set()
         if self._claims is None or not vouched:
             return records
         return self._claims.skip_vouched_reads(records, vouched, trusted=trusted)
@@ -157,10 +157,11 @@ class EntryFeaturesWorker:
         return Completed(frozenset(r.req_id for r in vouched), false, false_tails)
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        if self._vouched or self._checks:
+        if self._vouched or self._checks or self._vouched_reads:
             for req_id in req_ids:
                 self._vouched.discard(req_id)
                 self._checks.pop(req_id, None)
+                self._vouched_reads.discard(req_id)
 
     def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
         return self._verify.hold(results) if self._verify is not None else results

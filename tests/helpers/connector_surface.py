@@ -4,7 +4,7 @@ DESIGN §0.2: wrapped, vLLM must see the inner connector. Every public name of
 the installed release's ``KVConnectorBase_V1`` and of the mixins connectors
 take from the same module (``SupportsHMA``...) is either checked here by
 behaviour, or listed by the facade as its own answer with the reason
-(:data:`kvtail_connector.connector.OWN_ANSWERS`). A name that is neither (one
+(:data:`kvtail_connector.facade.connector.OWN_ANSWERS`). A name that is neither (one
 a new release adds) is reported by :func:`unclassified`:
 ``tests/scheduler/test_connector_surface.py`` fails on it, and
 ``scripts/vllm-release-check`` prints it.
@@ -107,7 +107,7 @@ def public_names() -> dict[str, PublicName]:
 
 
 def own_answers() -> Mapping[str, str]:
-    from kvtail_connector.connector import OWN_ANSWERS
+    from kvtail_connector.facade.connector import OWN_ANSWERS
 
     return OWN_ANSWERS
 
@@ -156,7 +156,7 @@ def _recording(role: str) -> dict[str, Any]:
 
 
 def _wrap(plain: dict[str, Any]) -> dict[str, Any]:
-    from kvtail_connector.inner import wrap_kv_transfer_config
+    from kvtail_connector.facade.inner import wrap_kv_transfer_config
 
     # zero_tails off: no duty of the wrapper's may touch what the checks compare.
     return wrap_kv_transfer_config(plain, zero_tails="off")
@@ -449,7 +449,7 @@ HOOKS: dict[str, Callable[[], HookCall]] = {
 def _wrapper_around_the_double(side: str, role: str) -> tuple[Any, Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvtail_connector.connector import KVTailConnector
+    from kvtail_connector.facade.connector import KVTailConnector
     from tests.helpers.vllm_factories import make_kv_cache_config
 
     connector_role = KVConnectorRole.WORKER if side == W else KVConnectorRole.SCHEDULER

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.metadata import KVTailMetadata
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.metadata import KVTailMetadata
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers import async_double
 from tests.helpers.vllm_factories import (
     assert_scheduler_empty,

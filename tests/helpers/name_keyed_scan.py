@@ -15,7 +15,7 @@ reports every place that decides by the connector's name:
   ``is None``) it is not a decision by name.
 
 :func:`compare` sets the sites found against the table
-(``kvtail_connector.name_keyed.RULES``): each table site holds, moved, or was
+(``kvtail_connector.facade.name_keyed.RULES``): each table site holds, moved, or was
 removed; each site found that no table site accounts for is new.
 """
 

@@ -21,12 +21,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.assembly import build_worker
-from kvtail_connector.features.zeroing import RankPlacement
-from kvtail_connector.kvgroups import group_infos
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import TailWorker
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.parts.zeroing import RankPlacement
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.core.worker import TailWorker
+from kvtail_connector.facade.assembly import build_worker
 
 POISON = float("nan")
 

@@ -61,7 +61,7 @@ def test_invalid_arguments_name_the_argument(args, match):
 def test_worker_inlined_count_matches_the_public_function():
     from fractions import Fraction
 
-    from kvtail_connector.tails import first_stale_slot
+    from kvtail_connector.core.tails import first_stale_slot
 
     for world, interleave in ((1, 1), (2, 1), (4, 3), (8, 1), (8, 16)):
         for n in range(0, 200, 7):

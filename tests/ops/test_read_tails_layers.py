@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.features.read_tails.by_layer import ReadTailsByLayer
+from kvtail_connector.core.cache_sets import CacheSet
+from kvtail_connector.core.parts.read_tails.by_layer import ReadTailsByLayer
 from kvtail_connector.ops import reference_zero_kv_blocks
 from tests.helpers.layouts import make_backing, rebase, to_device
 

@@ -15,8 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector import _compat, plugin
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,
     make_vllm_config,
@@ -28,7 +28,7 @@ BACKEND = "kv_connector_extra_config.backend"
 MODULE_PATH = "kv_connector_extra_config.backend_module_path"
 
 MODULE = """
-from kvtail_connector.connector import KVTailConnector
+from kvtail_connector.facade.connector import KVTailConnector
 
 
 class NotAConnector:
@@ -147,7 +147,7 @@ def test_a_registered_module_whose_import_fails_otherwise(out_of_tree, registry)
 def test_the_wrapper_cannot_wrap_itself_under_any_name(out_of_tree, registry, extra, what):
     module = out_of_tree("tail_aliases", MODULE)
     plugin.register()  # as in every vLLM process: the name KVTailConnector is known
-    registry("TailAlias", "kvtail_connector.connector", "KVTailConnector")
+    registry("TailAlias", "kvtail_connector.facade.connector", "KVTailConnector")
     extra = {k: v.format(module=module) for k, v in extra.items()}
     text = refusal(extra)
     assert text.startswith(f"{BACKEND}: {extra['backend']!r}")

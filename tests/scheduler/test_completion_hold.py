@@ -16,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtail_connector.connectors import adapter_for
-from kvtail_connector.features.consumer_tails import hold as completion_hold
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.parts.consumer_tails import hold as completion_hold
 from kvtail_connector.ops import KVZeroer
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import ErrorSource, allocate, make_tail_worker

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.forwarding import ForwardingConnector
+from kvtail_connector.facade.forwarding import ForwardingConnector
 from tests.helpers import connector_surface as surface
 
 
@@ -19,7 +19,7 @@ def test_every_public_name_is_forwarded_or_the_wrappers_own() -> None:
     missing = surface.unclassified()
     assert missing == [], (
         "public names of vLLM's connector base classes the wrapper neither forwards nor "
-        "answers itself: forward each in kvtail_connector/connector.py and add its check to "
+        "answers itself: forward each in kvtail_connector/facade/connector.py and add its check to "
         "tests/helpers/connector_surface.py, or list it in connector.OWN_ANSWERS with the "
         "reason:\n" + "\n".join(f"  {n.name} ({n.kind} of {n.owner})" for n in missing)
     )

@@ -3,7 +3,7 @@
 Each test injects a fault into the wrapper's own code where a review found a
 contained failure that still lost data, hung a request, or counted work that
 never ran, and runs the facade's fallback as the facade does
-(:class:`~kvtail_connector.containment.Containment`): a failed call leaves no
+(:class:`~kvtail_connector.core.containment.Containment`): a failed call leaves no
 per-step state for a later step to act on, every completion taken out of a
 hold in a failed pass still reaches vLLM (reported failed), counters count only
 launches that returned, and a device error is never contained.
@@ -18,11 +18,11 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.containment import Containment, mark_inner
+from kvtail_connector.core.containment import Containment, mark_inner
+from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import KVZeroer, reference_zero_kv_blocks
-from kvtail_connector.stats import KVTailStats
 from tests.helpers.layouts import rebase
 from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import make_kv_cache_config
@@ -181,7 +181,7 @@ def test_a_fallback_failing_partway_after_end_step_still_fences_what_it_zeroed(
     # layer. The event the next start_load_kv's fence waits on is recorded
     # behind what was zeroed and becomes the rank's (on CPU no event exists:
     # a stand-in stands for it), and nothing is left for a later step.
-    from kvtail_connector.features.read_tails import worker as read_worker
+    from kvtail_connector.core.parts.read_tails import worker as read_worker
 
     s = setup
     by_layer = s.worker._reads._by_layer
@@ -279,7 +279,7 @@ def test_a_failure_after_a_layers_launch_neither_zeroes_nor_counts_it_again(
 def test_the_facade_runs_the_layer_fallback(setup, monkeypatch):  # noqa: F811
     from types import SimpleNamespace
 
-    from kvtail_connector.connector import KVTailConnector
+    from kvtail_connector.facade.connector import KVTailConnector
 
     s = setup
     # The facade's wait_for_layer_load around this worker (its other parts unused).
@@ -506,7 +506,7 @@ def test_a_failed_metadata_fails_only_the_loads_it_had_records_for(monkeypatch):
     # step's metadata is built has no record to lose; the load completes
     # normally instead of failing (kv_load_failure_policy would end it).
     h = Harness("off")
-    from kvtail_connector import scheduler as scheduler_module
+    from kvtail_connector.core import scheduler as scheduler_module
 
     real = scheduler_module.KVTailMetadata
     calls = []
@@ -705,7 +705,7 @@ def test_a_device_error_in_a_fallback_is_not_contained(error):
 
 
 def test_device_errors_are_told_from_others():
-    from kvtail_connector.containment import is_device_error
+    from kvtail_connector.core.containment import is_device_error
 
     for error in _device_errors():
         assert is_device_error(error)
@@ -745,3 +745,45 @@ def test_a_vouched_load_is_checked_after_a_failed_rebind_of_its_id(monkeypatch):
     results = KVConnectorTransferResults(finished_recving={"b"}, failed_recving=set())
     worker.transfer_results(results, set(), ErrorSource())
     assert stats["vouched_tails"] == 1 and stats["tails_zeroed"] == 0
+
+
+def test_a_vouched_read_whose_start_failed_leaves_no_claim_for_a_later_read_of_its_id(
+    monkeypatch,
+):
+    # The READ step fails before its tails are taken (contained: zeroed on the
+    # reference path). The claim it came with must end with it: a later READ
+    # of the same id without a claim gets its tail zeroed, and nothing is kept.
+    from kvtail_connector.extras.metadata import EntryStep
+
+    kv = make_kv_cache_config(block_size=16, num_blocks=8)
+    caches = allocate(kv)
+    worker = make_tail_worker(
+        kv,
+        zeroes_read_tails=True,
+        checks_claims=True,
+        trusts_load_claims=True,
+        trusts_read_claims=True,
+    )
+    worker.register_kv_caches(caches.views, kv, caches.layers)
+    read = LoadRecord("r", 0, 37, (GroupLoad(0, 0, (5, 2, 7)),))
+    claimed = EntryStep(vouched=frozenset({"r"}))
+    worker.bind(KVTailMetadata(inner=None, read_loads=(read,), extra=claimed))  # type: ignore[arg-type]
+    reads = list(worker.read_loads)
+    _inject_once(monkeypatch, worker._reads, "started")
+    try:
+        worker.reads_started(True)
+    except Exception as exc:
+        _guard(worker).failed(exc, "start_load_kv", (), lambda: worker.contain_reads(reads, True))
+    worker.end_step()
+    assert worker.num_tracked == 0
+
+    for raw in caches.raw.values():
+        raw.fill_(0x7F)
+    worker.bind(KVTailMetadata(inner=None, read_loads=(read,)))  # type: ignore[arg-type]
+    worker.reads_started(True)
+    worker.end_step()
+    stale_slots = [
+        state for state in slot_state(caches.views[next(iter(caches.views))], 7)[37 % 16 :]
+    ]
+    assert stale_slots and set(stale_slots) == {"zero"}
+    assert worker.num_tracked == 0

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtail_connector.containment import call_inner, raised_by_inner
+from kvtail_connector.core.containment import call_inner, raised_by_inner
 from kvtail_connector.extras import entry
 from tests.helpers.lifecycle import Harness, slot_state
 from tests.helpers.vllm_factories import run_step, runs_v2_runner
@@ -278,7 +278,7 @@ def test_invalid_blocks_reach_vllm_when_attributing_them_fails():
 
 
 def test_the_ledger_keeps_fetched_ids_for_the_runner_when_attributing_fails():
-    from kvtail_connector.features.load_errors.ledger import LoadErrorLedger
+    from kvtail_connector.core.parts.load_errors.ledger import LoadErrorLedger
 
     class Inner:
         def __init__(self) -> None:

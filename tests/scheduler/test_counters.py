@@ -15,7 +15,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
 from kvtail_connector import _compat
-from kvtail_connector.stats import COUNTERS
+from kvtail_connector.core.stats import COUNTERS
 from tests.helpers.lifecycle import Harness
 from tests.helpers.vllm_factories import (
     assert_scheduler_empty,

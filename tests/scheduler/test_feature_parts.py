@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from kvtail_connector.assembly import build_worker
 from kvtail_connector.connectors import adapter_for
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.parts.zeroing import RankPlacement
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.scheduler import TailScheduler
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.core.worker import TailWorker
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.scheduler import EntryFeatures
-from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.features.zeroing import RankPlacement
-from kvtail_connector.kvgroups import group_infos
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.scheduler import TailScheduler
-from kvtail_connector.stats import KVTailStats
-from kvtail_connector.worker import TailWorker
+from kvtail_connector.facade.assembly import build_worker
 from tests.helpers.recording import RecordingConnector
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import allocate

@@ -16,10 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.metadata import KVTailMetadata
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.metadata import KVTailMetadata
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers import recording
 from tests.helpers.recording import FINISHED, SENTINEL, RecordingConnector, RecordingMetadata
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config

@@ -365,9 +365,9 @@ def rank_heads(rank: int, tp: int, total: int) -> list[int]:
 def rank_part(caches: list[Any], blocks: list[int], n: int, placement: Any = None) -> Any:
     """A producer rank's part of request ``r``'s digest: tokens ``[0, n)`` of
     ``blocks`` in group 0 (``caches``: its layers, views or region caches)."""
-    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.core.cache_sets import CacheSet
+    from kvtail_connector.core.metadata import GroupLoad
     from kvtail_connector.extras.metadata import CheckedLoad
-    from kvtail_connector.metadata import GroupLoad
 
     sets = [CacheSet(0, 1, 1, list(caches))]
     digests = kv_digests_mod.RankDigests(sets, placement or kv_digests_mod.HeadPlacement())
@@ -418,9 +418,9 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     ``blocks`` in group 0 (planned at bind, compared at release), checked
     against ``digest``: a producer's ``entry.Digest``, or sums taken as made
     with this rank's own signature."""
-    from kvtail_connector.cache_sets import CacheSet, cache_slots
+    from kvtail_connector.core.cache_sets import CacheSet, cache_slots
+    from kvtail_connector.core.metadata import GroupLoad
     from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
-    from kvtail_connector.metadata import GroupLoad
 
     digests = kv_digests_mod.RankDigests(
         [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
@@ -482,10 +482,10 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     # A plan made at bind is used by the completion of its load (a pass with
     # that id in finished_recving, never the fast path) or dropped there:
     # loads in flight need no pass of their own.
-    from kvtail_connector.cache_sets import CacheSet
+    from kvtail_connector.core.cache_sets import CacheSet
+    from kvtail_connector.core.metadata import GroupLoad
     from kvtail_connector.extras.kv_verification.worker import VerificationWorker
     from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
-    from kvtail_connector.metadata import GroupLoad
 
     g = torch.Generator().manual_seed(3)
     caches = [torch.randn(6, 2, BLOCK, 8, generator=g)]

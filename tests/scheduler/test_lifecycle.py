@@ -15,11 +15,11 @@ import torch
 from vllm.v1.request import RequestStatus
 
 from kvtail_connector import dcp_local_valid_slots
-from kvtail_connector.assembly import build_worker
-from kvtail_connector.features.zeroing import RankPlacement
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.kvgroups import group_infos
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.parts.zeroing import RankPlacement
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.facade.assembly import build_worker
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers import async_double
 from tests.helpers.lifecycle import BLOCK, Harness, slot_state
 from tests.helpers.vllm_factories import (

@@ -38,12 +38,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from kvtail_connector import plugin
-from kvtail_connector.connector import KVTailConnector
 from kvtail_connector.connectors import InnerAdapter
 from kvtail_connector.connectors.moriio import MoRIIOAdapter
 from kvtail_connector.connectors.nixl import NixlAdapter
-from kvtail_connector.inner import wrap_kv_transfer_config, wrapper_fields
-from kvtail_connector.stats import KVTailStats, connector_path
+from kvtail_connector.core.stats import KVTailStats, connector_path
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrap_kv_transfer_config, wrapper_fields
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,
     make_vllm_config,

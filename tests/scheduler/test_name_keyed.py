@@ -25,10 +25,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
 from demo.tiny_model import ensure_tiny_hybrid
-from kvtail_connector import _compat, name_keyed, name_keyed_table, plugin
+from kvtail_connector import _compat, plugin
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import inner_transfer_config, wrap_kv_transfer_config
+from kvtail_connector.facade import name_keyed, name_keyed_table
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import inner_transfer_config, wrap_kv_transfer_config
 from tests.helpers import name_keyed_scan as scan
 from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,

@@ -10,14 +10,14 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvtail_connector.assembly import build_worker
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.features.zeroing import RankPlacement
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.parts.zeroing import RankPlacement
+from kvtail_connector.core.stats import COUNTERS, KVTailStats, connector_path
+from kvtail_connector.facade.assembly import build_worker
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from kvtail_connector.log import PARENT
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
-from kvtail_connector.stats import COUNTERS, KVTailStats, connector_path
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 

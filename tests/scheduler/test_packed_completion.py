@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from kvtail_connector.assembly import build_worker
-from kvtail_connector.features.zeroing import RankPlacement
-from kvtail_connector.kvgroups import group_infos
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.parts.zeroing import RankPlacement
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.facade.assembly import build_worker
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,
     make_mixed_precision_kv_cache_config,
@@ -29,7 +29,7 @@ from tests.helpers.worker_caches import ErrorSource, allocate, tail_policy
 @pytest.mark.parametrize("dcp", [(1, 0, 1), (2, 0, 1), (2, 1, 1), (4, 3, 2), (2, 1, 16)])
 @pytest.mark.parametrize("kbs", [None, 8])
 def test_packed_path_zeroes_what_the_per_load_path_does(config, dcp, kbs, monkeypatch):
-    import kvtail_connector.features.zeroing as zeroing
+    import kvtail_connector.core.parts.zeroing as zeroing
 
     world, rank, interleave = dcp
     num_blocks = 12

@@ -17,8 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
 from kvtail_connector import _compat, plugin
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from kvtail_connector.log import PARENT
 from tests.helpers.vllm_factories import (
     make_kv_cache_config,

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from kvtail_connector import _compat, name_keyed, plugin
-from kvtail_connector.inner import wrap_kv_transfer_config
+from kvtail_connector import _compat, plugin
+from kvtail_connector.facade import name_keyed
+from kvtail_connector.facade.inner import wrap_kv_transfer_config
 
 LAYOUT = name_keyed.CONV_STATE_LAYOUT_ENV
 FLAG = "--kv-transfer-config"

@@ -31,7 +31,7 @@ import pytest
 from vllm.config import VllmConfig
 
 from kvtail_connector import _compat
-from kvtail_connector.inner import wrapper_fields
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers.vllm_factories import make_vllm_config
 
 # V2-family runners: (runner module, runner class, its connector adapter module).

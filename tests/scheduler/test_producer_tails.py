@@ -21,8 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
 from kvtail_connector import _compat
 from kvtail_connector._version import __version__
+from kvtail_connector.core.metadata import KVTailMetadata
 from kvtail_connector.extras import entry, trust
-from kvtail_connector.metadata import KVTailMetadata
 from tests.helpers.lifecycle import BLOCK, Harness, routed, slot_state
 from tests.helpers.vllm_factories import (
     make_model_runner_output,

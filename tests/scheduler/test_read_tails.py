@@ -17,9 +17,9 @@ from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvtail_connector import _compat
-from kvtail_connector.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.metadata import GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.ops import reference_zero_kv_blocks
-from kvtail_connector.stats import KVTailStats
 from tests.helpers.layouts import rebase
 from tests.helpers.vllm_factories import make_kv_cache_config
 from tests.helpers.worker_caches import allocate, make_tail_worker
@@ -215,7 +215,7 @@ def test_a_fallback_failing_partway_still_fences_what_it_zeroed(setup, monkeypat
     # Record "a"'s tail is zeroed, then the reference path raises on "b"'s:
     # the fence's mark is still taken behind "a"'s zeroing, and an ERROR
     # names "b", whose tail is left as it was.
-    from kvtail_connector.features.read_tails import worker as read_worker
+    from kvtail_connector.core.parts.read_tails import worker as read_worker
 
     s = setup
     for i, name in enumerate(LAYERS):
@@ -294,7 +294,7 @@ def test_reads_not_landed_are_zeroed_by_the_fallback_layer_by_layer_as_they_land
 def test_the_fallback_holds_nothing_for_reads_without_a_tail_or_after_a_failing_last_layer(
     setup, monkeypatch
 ):
-    from kvtail_connector.features.read_tails import on_reference
+    from kvtail_connector.core.parts.read_tails import on_reference
 
     s = setup
     records = s.worker.read_loads
@@ -330,7 +330,7 @@ def test_fallback_layers_left_by_a_step_without_end_step_are_dropped_at_the_next
 def test_a_fallback_layer_that_fails_at_its_wait_is_not_zeroed_again_later(
     setup, monkeypatch, caplog
 ):
-    from kvtail_connector.features.read_tails import on_reference
+    from kvtail_connector.core.parts.read_tails import on_reference
 
     s = setup
     s.worker.contain_reads(s.worker.read_loads, landed=False)

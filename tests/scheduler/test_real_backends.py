@@ -17,9 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.stats import KVTailStats, connector_path
+from kvtail_connector.core.stats import KVTailStats, connector_path
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers.vllm_factories import make_kv_cache_config, make_vllm_config
 
 

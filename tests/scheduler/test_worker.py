@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
+from kvtail_connector.core.metadata import NULL_BLOCK, GroupLoad, KVTailMetadata, LoadRecord
 from kvtail_connector.ops import reference_zero_kv_blocks
 from tests.helpers.layouts import rebase
 from tests.helpers.vllm_factories import make_kv_cache_config
@@ -27,7 +27,7 @@ def zeroer_path(request, monkeypatch):
     """The worker's zeroer on either path: CPU caches take torch, CUDA ones
     Triton (its packed completion path; here through the interpreter)."""
     if request.param == "triton":
-        import kvtail_connector.features.zeroing as zeroing
+        import kvtail_connector.core.parts.zeroing as zeroing
 
         triton_zeroer = functools.partial(zeroing.KVZeroer, implementation="triton")
         monkeypatch.setattr(zeroing, "KVZeroer", triton_zeroer)
@@ -175,10 +175,10 @@ def test_a_dcp_tail_counts_once_even_where_the_counting_rank_has_nothing_to_zero
     # DCP 2, interleave 16 (what NIXL needs), 16-slot pages: 24 valid tokens of
     # a 32-token block fill rank 0's page and 8 slots of rank 1's. Only the
     # counting rank counts requests, whatever its own share of the work is.
-    from kvtail_connector.assembly import build_worker
-    from kvtail_connector.features.zeroing import RankPlacement
-    from kvtail_connector.kvgroups import group_infos
-    from kvtail_connector.stats import KVTailStats
+    from kvtail_connector.core.kvgroups import group_infos
+    from kvtail_connector.core.parts.zeroing import RankPlacement
+    from kvtail_connector.core.stats import KVTailStats
+    from kvtail_connector.facade.assembly import build_worker
 
     kv = make_kv_cache_config(block_size=16, num_blocks=8)
     groups = group_infos(kv, 2)

@@ -39,7 +39,7 @@ from demo.router import Router
 from demo.serving import Fleet, ServePair
 from demo.tiny_model import ensure_tiny_hybrid
 from demo.workload import Prompt, mixed_prompts, openai_client, send_all
-from kvtail_connector.name_keyed import CONV_STATE_LAYOUT_ENV
+from kvtail_connector.facade.name_keyed import CONV_STATE_LAYOUT_ENV
 from tests.e2e.support import require
 from tests.serve.support import (
     CONCURRENCY,

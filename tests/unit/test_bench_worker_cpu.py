@@ -29,7 +29,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
 import torch
 
 import bench_worker_gpu as bench
-from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.core.metadata import KVTailMetadata
 
 caches = []
 

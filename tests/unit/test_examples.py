@@ -27,7 +27,7 @@ def test_kv_transfer_configs_parse_and_resolve(path):
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvtail_connector.inner import resolve
+    from kvtail_connector.facade.inner import resolve
 
     resolved = resolve(KVTransferConfig(**ktc))
     assert resolved.cfg == cfg

@@ -1,5 +1,5 @@
 """The core reaches the opt-in features (``kvtail_connector/extras``) only
-through ``kvtail_connector.extension``, as the assembly wires them in: no core
+through ``kvtail_connector.core.extension``, as the assembly wires them in: no core
 module imports them, and the assembly only inside the functions that build
 them (so that a package without the folder imports and runs)."""
 
@@ -12,7 +12,7 @@ import kvtail_connector
 
 PACKAGE = Path(kvtail_connector.__file__).parent
 EXTRAS = "kvtail_connector.extras"
-WIRING = "assembly.py"
+WIRING = Path("facade") / "assembly.py"
 
 
 def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
@@ -32,7 +32,7 @@ def _core_modules() -> list[Path]:
     return [
         p
         for p in sorted(PACKAGE.rglob("*.py"))
-        if p.relative_to(PACKAGE).parts[0] != "extras" and p.name != WIRING
+        if p.relative_to(PACKAGE).parts[0] != "extras" and p.relative_to(PACKAGE) != WIRING
     ]
 
 
@@ -48,6 +48,25 @@ def test_the_assembly_imports_the_features_only_where_it_builds_them():
     wiring = PACKAGE / WIRING
     assert not {n for n in _imports(wiring, top_level_only=True) if n.startswith(EXTRAS)}
     assert {n for n in _imports(wiring) if n.startswith(EXTRAS)}  # it does wire them in
+
+
+def test_the_core_imports_nothing_above_it():
+    # The folders are the layers: facade/ over core/ (and extras/ beside it),
+    # core/ over connectors/, pages/ and ops/.
+    above = {
+        "core": ("kvtail_connector.facade", EXTRAS),
+        "connectors": ("kvtail_connector.facade", "kvtail_connector.core", EXTRAS),
+        "pages": ("kvtail_connector.facade", "kvtail_connector.core", EXTRAS),
+        "ops": ("kvtail_connector.facade", "kvtail_connector.core", EXTRAS),
+        "extras": ("kvtail_connector.facade",),
+    }
+    found = {}
+    for layer, forbidden in above.items():
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            names = sorted(n for n in _imports(path) if n.startswith(forbidden))
+            if names:
+                found[str(path.relative_to(PACKAGE))] = names
+    assert found == {}
 
 
 def test_the_check_sees_a_feature_import(tmp_path):

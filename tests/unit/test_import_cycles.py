@@ -84,9 +84,9 @@ def test_the_cycle_finder_finds_a_loop_and_passes_a_tree():
 def test_the_reader_sees_the_facades_imports():
     modules = _modules()
     imported = _imported(
-        "kvtail_connector.connector", modules["kvtail_connector.connector"], modules
+        "kvtail_connector.facade.connector", modules["kvtail_connector.facade.connector"], modules
     )
-    assert {"kvtail_connector.assembly", "kvtail_connector.inner"} <= imported
+    assert {"kvtail_connector.facade.assembly", "kvtail_connector.facade.inner"} <= imported
     adapters = _imported(
         "kvtail_connector.connectors.multi", modules["kvtail_connector.connectors.multi"], modules
     )

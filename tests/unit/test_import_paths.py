@@ -43,7 +43,7 @@ _WORKER_PROBE = """
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
 from without_vllm import install_if_absent
 assert install_if_absent()
-import kvtail_connector.worker, kvtail_connector.metadata
+import kvtail_connector.core.worker, kvtail_connector.core.metadata
 print(" ".join(_NOT_INSTALLED.asked))
 """
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvtail_connector import _compat
-from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
-from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.kvgroups import GroupInfo
-from kvtail_connector.metadata import NULL_BLOCK
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.kvgroups import GroupInfo
+from kvtail_connector.core.metadata import NULL_BLOCK
+from kvtail_connector.core.parts.load_errors.scheduler import LoadErrorsScheduler
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.stats import KVTailStats
 
 
 def _blocks(*ids: int) -> SimpleNamespace:

@@ -9,7 +9,7 @@ from array import array
 import numpy as np
 import pytest
 
-from kvtail_connector.metadata import (
+from kvtail_connector.core.metadata import (
     NULL_BLOCK,
     GroupLoad,
     KVTailMetadata,

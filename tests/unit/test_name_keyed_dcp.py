@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtail_connector import name_keyed
+from kvtail_connector.facade import name_keyed
 
 
 class Transfer:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.policy import resolve_policy
+from kvtail_connector.core.policy import resolve_policy
 
 FACTS = (
     "needs_zeroing",

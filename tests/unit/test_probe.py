@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.probe import probe_items
+from kvtail_connector.core.cache_sets import CacheSet
+from kvtail_connector.core.probe import probe_items
 
 
 def _sliced(view: torch.Tensor, pages: int, block: int, first: int) -> tuple[int, int]:

@@ -5,6 +5,8 @@ digest across the ``kvtail`` entry (the digest itself:
 
 from __future__ import annotations
 
+from kvtail_connector.core.kvgroups import state_block
+from kvtail_connector.core.metadata import GroupLoad
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.entry import Digest, Limits, StateDigest
 from kvtail_connector.extras.kv_verification.rank_states import RankStates, StateSet
@@ -16,8 +18,6 @@ from kvtail_connector.extras.metadata import (
     ExpectedDigest,
 )
 from kvtail_connector.extras.ops.state_digest import StateLayer
-from kvtail_connector.kvgroups import state_block
-from kvtail_connector.metadata import GroupLoad
 from tests.ops.test_state_digest import MASK, _layers, _reference
 
 

@@ -2,7 +2,7 @@
 
 from fractions import Fraction
 
-from kvtail_connector.tails import first_stale_slot, tail_block
+from kvtail_connector.core.tails import first_stale_slot, tail_block
 
 
 def test_block_aligned_loads_have_no_tail():

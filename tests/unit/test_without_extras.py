@@ -83,7 +83,7 @@ def test_the_core_suite_passes_without_the_extras(tmp_path):
 
 def test_the_settings_that_need_the_extras_are_refused_without_them():
     from kvtail_connector.config import KVTailConfig
-    from kvtail_connector.policy import resolve_policy
+    from kvtail_connector.core.policy import resolve_policy
 
     facts = dict(
         needs_zeroing=True,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.inner import wrap_kv_transfer_config, wrapper_fields
+from kvtail_connector.facade.inner import wrap_kv_transfer_config, wrapper_fields
 
 
 def test_wrapping_moves_the_connector_into_the_extra_config_and_keeps_the_rest():

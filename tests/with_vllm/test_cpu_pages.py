@@ -28,8 +28,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtail_connector import RegionCache
-from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.core.cache_sets import cache_sets
+from kvtail_connector.core.kvgroups import group_infos
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.pages import cpu as cpu_pages
 from kvtail_connector.pages import layer_cache
@@ -260,8 +260,8 @@ def test_layout_recognises_cpu_attn_and_passes_other_backends_through():
 
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
-    from kvtail_connector.cache_sets import CacheSet
-    from kvtail_connector.probe import probe_items
+    from kvtail_connector.core.cache_sets import CacheSet
+    from kvtail_connector.core.probe import probe_items
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
     view = torch.full((4, 2, 32, 64), float("nan"), dtype=torch.bfloat16)
@@ -274,7 +274,7 @@ def test_probe_counts_nonfinite_values_in_cpu_attn_pages(monkeypatch, isa):
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_slot_bytes_count_each_slot_once_over_its_regions(monkeypatch, isa):
     # The zeroed-bytes counters multiply this by the stale slots.
-    from kvtail_connector.cache_sets import cache_slot_bytes
+    from kvtail_connector.core.cache_sets import cache_slot_bytes
 
     monkeypatch.setattr(cpu_pages, "vllm_writer", lambda: synthetic.page_writer(isa))
     view = torch.zeros(4, 2, 32, 128, dtype=torch.bfloat16)

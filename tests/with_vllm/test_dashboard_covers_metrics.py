@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvtail_connector.stats import COUNTERS, GAUGES
+from kvtail_connector.core.stats import COUNTERS, GAUGES
 
 DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "kvtail-dashboard.json"
 

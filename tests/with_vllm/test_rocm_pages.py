@@ -28,8 +28,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.core.cache_sets import cache_sets
+from kvtail_connector.core.kvgroups import group_infos
 from kvtail_connector.ops import KVZeroer, RegionCache
 from kvtail_connector.pages import UnmappedPage, layer_cache
 from tests.ops.test_zero_kv_blocks import PATH_IDS, PATHS

@@ -3,7 +3,7 @@ consumer's check that attention and state digests share.
 
 A check carries the CUDA event behind its read-back (None on CPU). Each
 completion pass queries it; after
-:data:`~kvtail_connector.features.consumer_tails.hold.MAX_PASSES` passes it is
+:data:`~kvtail_connector.core.parts.consumer_tails.hold.MAX_PASSES` passes it is
 waited for, so a completion is never held forever.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from kvtail_connector.core.parts.consumer_tails.hold import MAX_PASSES
 from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED
-from kvtail_connector.features.consumer_tails.hold import MAX_PASSES
 
 
 class Check(Protocol):

@@ -53,7 +53,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvtail_connector.cache_sets import CacheSet, cache_slots
+from kvtail_connector.core.cache_sets import CacheSet, cache_slots
+from kvtail_connector.core.metadata import NULL_BLOCK
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
 from kvtail_connector.extras.metadata import (
@@ -70,7 +71,6 @@ from kvtail_connector.extras.ops.digest.launcher import (
     KVDigester,
 )
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK
 from kvtail_connector.ops import RegionCache
 
 logger = get_logger(__name__)

@@ -3,7 +3,7 @@
 A hybrid model's state groups hold one state per request, not one slot per
 token. After P's forward the state of each remote-decode prompt is in the
 block vLLM's transfer sends (the running-state block,
-:func:`~kvtail_connector.kvgroups.state_block`); D's load writes that block.
+:func:`~kvtail_connector.core.kvgroups.state_block`); D's load writes that block.
 P digests it in the producer hook (:meth:`RankStates.digest_prompts`), D
 digests what the load wrote before anything reads it
 (:meth:`RankStates.check_loads`), holds the completion until the sums are on
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from kvtail_connector.core.kvgroups import GroupInfo, layer_spec
+from kvtail_connector.core.metadata import NULL_BLOCK
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
 from kvtail_connector.extras.metadata import (
@@ -41,9 +43,7 @@ from kvtail_connector.extras.ops.state_digest import (
     StateLayer,
     as_u64,
 )
-from kvtail_connector.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK
 
 logger = get_logger(__name__)
 

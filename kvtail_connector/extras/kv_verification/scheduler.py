@@ -12,6 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtail_connector.core.metadata import GroupLoad
+from kvtail_connector.core.parts.records import (
+    LoadRecords,
+    completing_prompts,
+    is_prefill_leg,
+    null_as_ours,
+    state_loads,
+)
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.extras import entry
 from kvtail_connector.extras.entries import FinishedParams, every_rank
 from kvtail_connector.extras.metadata import (
@@ -21,16 +30,7 @@ from kvtail_connector.extras.metadata import (
     combined_verdict,
     report_of,
 )
-from kvtail_connector.features.records import (
-    LoadRecords,
-    completing_prompts,
-    is_prefill_leg,
-    null_as_ours,
-    state_loads,
-)
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import GroupLoad
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.core.cache_sets import CacheSet
 from kvtail_connector.extras.kv_verification.rank_digests import (
     HeadPlacement,
     PlannedPrompt,

@@ -23,12 +23,12 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtail_connector import _compat
+from kvtail_connector.core.metadata import GroupLoad, LoadRecord
+from kvtail_connector.core.parts.records import LoadRecords, completing_prompts, is_prefill_leg
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.core.tails import tail_block
 from kvtail_connector.extras.entries import FinishedParams, decline, every_rank
-from kvtail_connector.features.records import LoadRecords, completing_prompts, is_prefill_leg
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import GroupLoad, LoadRecord
-from kvtail_connector.stats import KVTailStats
-from kvtail_connector.tails import tail_block
 
 logger = get_logger(__name__)
 

@@ -20,10 +20,10 @@ from collections.abc import Set as AbstractSet
 
 import numpy as np
 
-from kvtail_connector.features.zeroing import RankCaches, StaleSlots
+from kvtail_connector.core.metadata import LoadRecord
+from kvtail_connector.core.parts.zeroing import RankCaches, StaleSlots
+from kvtail_connector.core.probe import probe_items
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import LoadRecord
-from kvtail_connector.probe import probe_items
 
 logger = get_logger(__name__)
 

@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvtail_connector import _compat
-from kvtail_connector.metadata import NULL_BLOCK
+from kvtail_connector.core.metadata import NULL_BLOCK
 from tests.helpers.vllm_factories import HEAD_DIM, NUM_KV_HEADS
 from tests.scheduler.moriio.test_moriio_read import NUM_BLOCKS, OTHER_TOKENS, Run, _peer_params
 

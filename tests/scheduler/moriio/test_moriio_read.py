@@ -39,10 +39,10 @@ import torch
 import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvtail_connector.connector import KVTailConnector
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.metadata import KVTailMetadata
-from kvtail_connector.stats import COUNTERS
+from kvtail_connector.core.metadata import KVTailMetadata
+from kvtail_connector.core.stats import COUNTERS
+from kvtail_connector.facade.connector import KVTailConnector
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers.vllm_factories import (
     make_hybrid_mamba_kv_cache_config,
     make_kv_cache_config,
@@ -620,8 +620,8 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
     # With trust, skipped everywhere. A mismatched length, or an entry copied
     # from another transfer, gets today's zeroing.
     from kvtail_connector import _compat
+    from kvtail_connector.core.stats import KVTailStats
     from kvtail_connector.extras import entry, trust
-    from kvtail_connector.stats import KVTailStats
     from tests.helpers.worker_caches import allocate, make_tail_worker
 
     kv = _mixed()

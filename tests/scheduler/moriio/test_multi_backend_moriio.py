@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.inner import wrapper_fields
-from kvtail_connector.metadata import KVTailMetadata
+from kvtail_connector.core.metadata import KVTailMetadata
+from kvtail_connector.facade.inner import wrapper_fields
 from tests.helpers.vllm_factories import (
     make_request,
     make_scheduler,

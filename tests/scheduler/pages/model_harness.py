@@ -35,11 +35,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtail_connector import _compat
-from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.kvgroups import group_infos
+from kvtail_connector.core.cache_sets import cache_sets
+from kvtail_connector.core.kvgroups import group_infos
+from kvtail_connector.core.tails import first_stale_slot
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.pages import UnmappedPage, layer_cache
-from kvtail_connector.tails import first_stale_slot
 from tests.helpers.backend_walk import cpu_import_shims, real_triton_everywhere
 from tests.helpers.stub_imports import import_with_stubs
 from tests.helpers.vllm_triton import import_writer

@@ -23,7 +23,7 @@ Definition (algorithm ``mix64-1``; all arithmetic modulo 2**64)::
   stored (little-endian). K and V are part of ``C`` in vLLM's views.
 - Content of a :class:`RegionCache` slot: its local head is 0 (its global
   head ``h`` is ``head_offset``, whatever KV heads its pages hold; the
-  connector's TP keying of it: ``features/kv_verification/rank_digests.py``),
+  connector's TP keying of it: ``extras/kv_verification/rank_digests.py``),
   and each region that serves the slot contributes its run of bytes; region
   ``r``'s words are numbered from ``sum(ceil(slot_bytes(r') / 4) for r' < r)``.
 - Word ``w`` of a run is the little-endian uint32 of bytes ``[4w, 4w + 4)``;

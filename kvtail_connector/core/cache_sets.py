@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvtail_connector.kvgroups import GroupInfo, layer_spec
+from kvtail_connector.core.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.ops import RegionCache
 from kvtail_connector.pages import PLAIN_ENGINE, EngineFacts, UnmappedPage, layer_cache
 

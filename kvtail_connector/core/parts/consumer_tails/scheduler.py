@@ -2,7 +2,7 @@
 
 At ``update_state_after_alloc`` the wrapper knows everything a worker needs
 to find the load's stale tail: the scheduler builds the load's record there
-(:class:`~kvtail_connector.features.records.LoadRecords`) and keeps it here,
+(:class:`~kvtail_connector.core.parts.records.LoadRecords`) and keeps it here,
 with the blocks the load writes, until the step's metadata ships it
 (``KVTailMetadata.loads``); the scheduler keeps nothing about the record
 afterwards. The load is marked in flight only then, with the step that
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtail_connector.metadata import LoadRecord
+from kvtail_connector.core.metadata import LoadRecord
 
 
 # A slots dataclass: built once per load on vLLM's per-request path, in half

@@ -17,15 +17,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtail_connector.cache_sets import CacheSet, TailBytes
-from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.core.cache_sets import CacheSet, TailBytes
+from kvtail_connector.core.kvgroups import GroupInfo
+from kvtail_connector.core.metadata import NULL_BLOCK, GroupLoad, LoadRecord
+from kvtail_connector.core.probe import probe_items
+from kvtail_connector.core.stats import KVTailStats
+from kvtail_connector.core.tails import first_stale_slot
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
 from kvtail_connector.ops import KVZeroer
 from kvtail_connector.ops.zero.plan import GroupRows, pack_line
-from kvtail_connector.probe import probe_items
-from kvtail_connector.stats import KVTailStats
-from kvtail_connector.tails import first_stale_slot
 
 logger = get_logger(__name__)
 

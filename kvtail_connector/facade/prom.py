@@ -8,8 +8,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvtail_connector.core.stats import COUNTERS, GAUGES, INNER
 from kvtail_connector.log import get_logger
-from kvtail_connector.stats import COUNTERS, GAUGES, INNER
 
 logger = get_logger(__name__)
 
@@ -53,7 +53,7 @@ assert set(GAUGE_METRICS) == set(GAUGES), "every gauge has a metric"
 
 
 class KVTailPromMetrics(KVConnectorPromMetrics):
-    """One counter per :data:`~kvtail_connector.stats.COUNTERS` entry, per
+    """One counter per :data:`~kvtail_connector.core.stats.COUNTERS` entry, per
     engine, with vLLM's labels; the inner connector's metrics observe their
     own payload.
 

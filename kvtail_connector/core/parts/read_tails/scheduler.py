@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.extension import SchedulerExtra
-from kvtail_connector.features.records import LoadRecords
+from kvtail_connector.core.extension import SchedulerExtra
+from kvtail_connector.core.metadata import LoadRecord
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import LoadRecord
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 

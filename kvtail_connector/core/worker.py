@@ -2,11 +2,11 @@
 to the opt-in features' worker half where the assembly gives one.
 
 :class:`TailWorker` holds no feature state: each duty is a part
-(``kvtail_connector/features/<duty>/worker.py``) built from the policy,
+(``kvtail_connector/core/parts/<duty>/worker.py``) built from the policy,
 present only where the policy turns it on, sharing this rank's caches and
-zeroer (:class:`~kvtail_connector.features.zeroing.RankCaches`) so that a
+zeroer (:class:`~kvtail_connector.core.parts.zeroing.RankCaches`) so that a
 step's zeroing is one launch; the extra
-(:class:`~kvtail_connector.extension.WorkerExtra`: producer claims, KV
+(:class:`~kvtail_connector.core.extension.WorkerExtra`: producer claims, KV
 verification) shares them too. The order in which the parts are called, hook
 by hook:
 
@@ -23,7 +23,7 @@ producer hook (:meth:`TailWorker.produce`, ``finish_forward`` or ``wait_for_save
 ``wait_for_layer_load`` / ``clear_connector_metadata``
     READ tails per layer (0.32), then what is left after the forward.
 ``get_transfer_results`` (:meth:`TailWorker.transfer_results`, in
-:mod:`~kvtail_connector.completion`)
+:mod:`~kvtail_connector.core.completion`)
     first a pass that never answered (it and its fallback failed) is settled;
     consumer tails note aborted loads; for the loads completing: load errors
     (invalid blocks fetched and settled), consumer tails (aborted ones
@@ -43,19 +43,19 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.cache_sets import cache_sets
-from kvtail_connector.completion import CompletionPasses
-from kvtail_connector.extension import WorkerExtra
-from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker
-from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
-from kvtail_connector.features.read_tails.worker import ReadTailsWorker
-from kvtail_connector.features.zeroing import RankCaches, RankPlacement
-from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.core.cache_sets import cache_sets
+from kvtail_connector.core.completion import CompletionPasses
+from kvtail_connector.core.extension import WorkerExtra
+from kvtail_connector.core.kvgroups import GroupInfo
+from kvtail_connector.core.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.core.parts.consumer_tails.worker import ConsumerTailsWorker
+from kvtail_connector.core.parts.load_errors.worker import LoadErrorsWorker
+from kvtail_connector.core.parts.read_tails.worker import ReadTailsWorker
+from kvtail_connector.core.parts.zeroing import RankCaches, RankPlacement
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
 from kvtail_connector.pages import PLAIN_ENGINE, EngineFacts
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 
@@ -80,7 +80,7 @@ class TailWorker:
         groups: tail facts per KV cache group.
         placement: this rank's DCP placement.
         policy: what this worker zeroes, probes and holds (see
-            :class:`~kvtail_connector.policy.TailPolicy`).
+            :class:`~kvtail_connector.core.policy.TailPolicy`).
         counts_requests: this rank reports the per-request counters
             (``tails_zeroed``, ``probed_tails``): one rank per request, since
             vLLM sums every worker's stats. Byte counts come from every rank.
@@ -284,7 +284,7 @@ class TailWorker:
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook
-    # (kvtail_connector.containment): minimal, and never half a claim.
+    # (kvtail_connector.core.containment): minimal, and never half a claim.
 
     def contain_bind(self, meta: KVTailMetadata) -> None:
         """``bind`` failed: this step's async loads are reported failed when
@@ -317,7 +317,10 @@ class TailWorker:
         return self._errors.drain()
 
     def contain_reads(self, records: list[LoadRecord], landed: bool) -> None:
-        """``reads_started`` failed (see ``ReadTailsWorker.contain_started``)."""
+        """``reads_started`` failed (see ``ReadTailsWorker.contain_started``):
+        every READ tail is zeroed, claims or not."""
+        if self._extra is not None:
+            self._extra.forget([r.req_id for r in records])
         if self._reads is not None:
             self._reads.contain_started(records, landed)
 

@@ -13,7 +13,7 @@ matters, else the engine is refused at start-up with one message that names
 the setting that makes it work. Nothing differs silently.
 
 The audit, one row a decision with its sites per release, is
-:data:`kvtail_connector.name_keyed_table.RULES` (re-exported here);
+:data:`kvtail_connector.facade.name_keyed_table.RULES` (re-exported here);
 ``docs/name-keyed.md`` is the same table with the reasons.
 
 Where the wrapper's code runs early enough for the conv-state layout: vLLM
@@ -41,10 +41,10 @@ from typing import Any
 from kvtail_connector import _compat
 
 # The audit, re-exported: name_keyed.RULES is the table these checks apply.
-from kvtail_connector.name_keyed_table import RULES as RULES
-from kvtail_connector.name_keyed_table import Rule as Rule
-from kvtail_connector.name_keyed_table import Site as Site
-from kvtail_connector.name_keyed_table import rules_for as rules_for
+from kvtail_connector.facade.name_keyed_table import RULES as RULES
+from kvtail_connector.facade.name_keyed_table import Rule as Rule
+from kvtail_connector.facade.name_keyed_table import Site as Site
+from kvtail_connector.facade.name_keyed_table import rules_for as rules_for
 
 WRAPPER = "KVTailConnector"
 MULTI = "MultiConnector"
@@ -339,7 +339,7 @@ def _check_conv_state_layout(inner: _Inner, has_mamba: bool) -> None:
         f"{label} behind KVTailConnector: NIXL moves Mamba conv state only in the DS "
         f"layout, and this process uses {layout}; {why}. Set {CONV_STATE_LAYOUT_ENV}=DS in "
         "the environment of both the prefill and the decode server (from Python: call "
-        "kvtail_connector.name_keyed.prepare_environment(kv_transfer_config) before "
+        "kvtail_connector.facade.name_keyed.prepare_environment(kv_transfer_config) before "
         "building the engine)."
     )
 

@@ -7,7 +7,7 @@ not executed; the opt-in features: a digest not compared; load errors: loads
 to report failed). Every completion reaches vLLM exactly once, whatever failed
 before: a pass that raised is answered by :meth:`CompletionPasses.contain`,
 and one whose fallback raised too by the facade
-(:func:`~kvtail_connector.worker.every_completion_failed`), which the next
+(:func:`~kvtail_connector.core.worker.every_completion_failed`), which the next
 pass settles first.
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.extension import WorkerExtra
-from kvtail_connector.features.consumer_tails.worker import ConsumerTailsWorker, Pending
-from kvtail_connector.features.load_errors.worker import LoadErrorsWorker
-from kvtail_connector.features.zeroing import RankCaches, StaleSlots
+from kvtail_connector.core.extension import WorkerExtra
+from kvtail_connector.core.parts.consumer_tails.worker import ConsumerTailsWorker, Pending
+from kvtail_connector.core.parts.load_errors.worker import LoadErrorsWorker
+from kvtail_connector.core.parts.zeroing import RankCaches, StaleSlots
+from kvtail_connector.core.policy import TailPolicy
 from kvtail_connector.log import get_logger
-from kvtail_connector.policy import TailPolicy
 
 logger = get_logger(__name__)
 

@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.log import get_logger
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 

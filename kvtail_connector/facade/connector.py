@@ -1,12 +1,12 @@
 """``KVTailConnector``: a thin facade around any vLLM KV connector: the hooks
-where the wrapper acts (what it passes on unchanged: :mod:`kvtail_connector.forwarding`).
+where the wrapper acts (what it passes on unchanged: :mod:`kvtail_connector.facade.forwarding`).
 
-:func:`kvtail_connector.assembly.assemble` builds it (the inner connector, the
+:func:`kvtail_connector.facade.assembly.assemble` builds it (the inner connector, the
 policy, one side); this file holds the hooks. Role SCHEDULER delegates to
-:class:`~kvtail_connector.scheduler.TailScheduler`, role WORKER to
-:class:`~kvtail_connector.worker.TailWorker`; every hook reaches the inner
+:class:`~kvtail_connector.core.scheduler.TailScheduler`, role WORKER to
+:class:`~kvtail_connector.core.worker.TailWorker`; every hook reaches the inner
 connector, and every classmethod the inner class through
-:func:`kvtail_connector.inner.resolve`.
+:func:`kvtail_connector.facade.inner.resolve`.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtail_connector import _compat
-from kvtail_connector.assembly import assemble
 from kvtail_connector.config import KVTailConfig
-from kvtail_connector.containment import Containment, safe_ids
-from kvtail_connector.forwarding import ForwardingConnector
-from kvtail_connector.inner import resolve
-from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta
+from kvtail_connector.core.containment import Containment, safe_ids
+from kvtail_connector.core.metadata import KVTailMetadata, KVTailWorkerMeta
+from kvtail_connector.core.stats import KVTailStats, connector_path
+from kvtail_connector.core.worker import every_completion_failed
+from kvtail_connector.facade.assembly import assemble
+from kvtail_connector.facade.forwarding import ForwardingConnector
+from kvtail_connector.facade.inner import resolve
+from kvtail_connector.facade.prom import KVTailPromMetrics
 from kvtail_connector.pages import EngineFacts
-from kvtail_connector.prom import KVTailPromMetrics
-from kvtail_connector.stats import KVTailStats, connector_path
-from kvtail_connector.worker import every_completion_failed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +82,7 @@ class KVTailConnector(ForwardingConnector, SupportsHMA):
     See :class:`~kvtail_connector.config.KVTailConfig` for the settings.
     """
 
-    # kvtail_connector.inner.WRAPPER_MARK: how the wrapper (or a subclass) is
+    # kvtail_connector.facade.inner.WRAPPER_MARK: how the wrapper (or a subclass) is
     # refused as its own inner connector without an import of this module.
     is_kvtail_wrapper: ClassVar[bool] = True
 
@@ -106,7 +106,7 @@ class KVTailConnector(ForwardingConnector, SupportsHMA):
         self._scheduler = parts.scheduler
         self._worker = parts.worker
         # Every hook: the inner connector's part as if unwrapped, ours inside
-        # try, its exceptions contained here (kvtail_connector.containment).
+        # try, its exceptions contained here (kvtail_connector.core.containment).
         self._guard = Containment(self._stats)
         self._last_held = 0  # the held_requests level last reported
 

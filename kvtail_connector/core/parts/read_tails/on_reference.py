@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.core.cache_sets import CacheSet
 from kvtail_connector.ops import reference_zero_kv_blocks
 
 

@@ -2,12 +2,12 @@
 parts and to the extra.
 
 :class:`TailScheduler` holds no feature state. The core parts
-(``kvtail_connector/features/<feature>/scheduler.py``) are built from the
+(``kvtail_connector/core/parts/<feature>/scheduler.py``) are built from the
 policy, present only where it turns them on, and share the load's start
-(:class:`~kvtail_connector.features.load_starts.LoadStarts`) and the record
-builder (:class:`~kvtail_connector.features.records.LoadRecords`). What the
+(:class:`~kvtail_connector.core.parts.load_starts.LoadStarts`) and the record
+builder (:class:`~kvtail_connector.core.parts.records.LoadRecords`). What the
 opt-in features add (producer claims, KV verification: the ``kvtail``
-entry) comes as one :class:`~kvtail_connector.extension.SchedulerExtra`,
+entry) comes as one :class:`~kvtail_connector.core.extension.SchedulerExtra`,
 which the assembly builds; this module imports none of it. The order, hook
 by hook:
 
@@ -41,17 +41,20 @@ from __future__ import annotations
 from typing import Any
 
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.extension import SchedulerExtra
-from kvtail_connector.features.consumer_tails.scheduler import AllocatedLoad, ConsumerTailsScheduler
-from kvtail_connector.features.load_errors.scheduler import LoadErrorsScheduler
-from kvtail_connector.features.load_starts import LoadStart, LoadStarts
-from kvtail_connector.features.read_tails.scheduler import ReadTailsScheduler
-from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.kvgroups import GroupInfo
+from kvtail_connector.core.extension import SchedulerExtra
+from kvtail_connector.core.kvgroups import GroupInfo
+from kvtail_connector.core.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
+from kvtail_connector.core.parts.consumer_tails.scheduler import (
+    AllocatedLoad,
+    ConsumerTailsScheduler,
+)
+from kvtail_connector.core.parts.load_errors.scheduler import LoadErrorsScheduler
+from kvtail_connector.core.parts.load_starts import LoadStart, LoadStarts
+from kvtail_connector.core.parts.read_tails.scheduler import ReadTailsScheduler
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.policy import TailPolicy
+from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import KVTailMetadata, KVTailWorkerMeta, LoadRecord
-from kvtail_connector.policy import TailPolicy
-from kvtail_connector.stats import KVTailStats
 
 logger = get_logger(__name__)
 
@@ -63,12 +66,12 @@ class TailScheduler:
     Args:
         inner: the wrapped connector (scheduler role).
         groups: tail facts per KV cache group.
-        policy: what this engine does (see :class:`~kvtail_connector.policy.TailPolicy`).
+        policy: what this engine does (see :class:`~kvtail_connector.core.policy.TailPolicy`).
         adapter: what differs for this inner connector.
         stats: the counters this side reports.
         records: the record builder, shared with the extra (built here if None).
-        extra: what the opt-in features add (:class:`~kvtail_connector.extension.SchedulerExtra`),
-            or None.
+        extra: what the opt-in features add
+            (:class:`~kvtail_connector.core.extension.SchedulerExtra`), or None.
     """
 
     def __init__(
@@ -268,7 +271,7 @@ class TailScheduler:
 
     # ------------------------------------------------- contained failures
     # The fallbacks the facade runs after an internal error in a hook
-    # (kvtail_connector.containment): minimal, and never half a claim.
+    # (kvtail_connector.core.containment): minimal, and never half a claim.
 
     def contain_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """``update_state_after_alloc`` failed: the load may have no record.

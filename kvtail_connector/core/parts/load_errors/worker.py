@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.features.load_errors.ledger import InFlight, LoadErrorLedger
-from kvtail_connector.features.zeroing import RankCaches, StaleSlots
-from kvtail_connector.metadata import LoadRecord
+from kvtail_connector.core.metadata import LoadRecord
+from kvtail_connector.core.parts.load_errors.ledger import InFlight, LoadErrorLedger
+from kvtail_connector.core.parts.zeroing import RankCaches, StaleSlots
 
 
 class FirstInvalid(NamedTuple):

@@ -1,5 +1,5 @@
 """Where a request's loaded or prompt tokens sit in its blocks, as
-:class:`~kvtail_connector.metadata.LoadRecord` (scheduler side, shared by the
+:class:`~kvtail_connector.core.metadata.LoadRecord` (scheduler side, shared by the
 parts that ship records to the workers)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.containment import call_inner
-from kvtail_connector.kvgroups import GroupInfo, state_block
-from kvtail_connector.metadata import NULL_BLOCK, GroupLoad, LoadRecord
-from kvtail_connector.tails import tail_block
+from kvtail_connector.core.containment import call_inner
+from kvtail_connector.core.kvgroups import GroupInfo, state_block
+from kvtail_connector.core.metadata import NULL_BLOCK, GroupLoad, LoadRecord
+from kvtail_connector.core.tails import tail_block
 
 
 def is_prefill_leg(request: Any) -> bool:
@@ -45,7 +45,7 @@ def state_loads(
     groups: tuple[GroupInfo, ...], block_ids: Any, gids: Any = None
 ) -> tuple[GroupLoad, ...]:
     """Per state group (of ``gids``, default all): the block holding the
-    request's state (:func:`~kvtail_connector.kvgroups.state_block`);
+    request's state (:func:`~kvtail_connector.core.kvgroups.state_block`);
     vLLM's null block as :data:`NULL_BLOCK`."""
     out = []
     for info in groups:

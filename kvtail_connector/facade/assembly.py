@@ -1,12 +1,12 @@
 """How a ``KVTailConnector`` is built: :func:`assemble`, once per connector.
 
 In the order data flows: the config (parsed once, with the inner class, by
-:func:`kvtail_connector.inner.resolve`) -> the inner connector (its children,
+:func:`kvtail_connector.facade.inner.resolve`) -> the inner connector (its children,
 adapter, name-keyed start-up checks and HMA check, then built) -> the facts
 vLLM's config and the adapter state about this engine -> the policy
-(:func:`~kvtail_connector.policy.resolve_policy`) -> one side, the
-:class:`~kvtail_connector.scheduler.TailScheduler` or the
-:class:`~kvtail_connector.worker.TailWorker`. Every refusal is raised here, at
+(:func:`~kvtail_connector.core.policy.resolve_policy`) -> one side, the
+:class:`~kvtail_connector.core.scheduler.TailScheduler` or the
+:class:`~kvtail_connector.core.worker.TailWorker`. Every refusal is raised here, at
 start-up, before any hook runs; the facade keeps only what its hooks use.
 
 This is the one place the opt-in features (``kvtail_connector.extras``) are
@@ -27,13 +27,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from kvtail_connector import _compat, name_keyed
+from kvtail_connector import _compat
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.connectors import InnerAdapter
-from kvtail_connector.extension import SchedulerExtra, WorkerExtra
-from kvtail_connector.features.records import LoadRecords
-from kvtail_connector.features.zeroing import RankCaches, RankPlacement
-from kvtail_connector.inner import (
+from kvtail_connector.core.extension import SchedulerExtra, WorkerExtra
+from kvtail_connector.core.kvgroups import GroupInfo, group_infos
+from kvtail_connector.core.parts.records import LoadRecords
+from kvtail_connector.core.parts.zeroing import RankCaches, RankPlacement
+from kvtail_connector.core.policy import ProducerHook, TailPolicy, resolve_policy
+from kvtail_connector.core.scheduler import TailScheduler
+from kvtail_connector.core.stats import KVTailStats, connector_path
+from kvtail_connector.core.worker import TailWorker
+from kvtail_connector.facade import name_keyed
+from kvtail_connector.facade.inner import (
     BACKEND_FIELD,
     Resolved,
     build_inner,
@@ -42,12 +48,7 @@ from kvtail_connector.inner import (
     hma_blocker,
     resolve,
 )
-from kvtail_connector.kvgroups import GroupInfo, group_infos
 from kvtail_connector.log import get_logger
-from kvtail_connector.policy import ProducerHook, TailPolicy, resolve_policy
-from kvtail_connector.scheduler import TailScheduler
-from kvtail_connector.stats import KVTailStats, connector_path
-from kvtail_connector.worker import TailWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,7 +87,7 @@ class Assembled:
 @dataclass(frozen=True)
 class EngineFacts:
     """What vLLM's config and the inner connector's adapter say about this
-    engine: the arguments of :func:`~kvtail_connector.policy.resolve_policy`
+    engine: the arguments of :func:`~kvtail_connector.core.policy.resolve_policy`
     beside the user's config (each field is the parameter of that name)."""
 
     needs_zeroing: bool

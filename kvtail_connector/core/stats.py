@@ -93,7 +93,7 @@ class KVTailStats(KVConnectorStats):
     are counted once per request (the scheduler side, or the first worker
     rank), so vLLM's sum over TP workers stays a count of requests.
     ``internal_errors``: failures of the wrapper's own code that a hook
-    contained (:mod:`~kvtail_connector.containment`), one per hook call, on
+    contained (:mod:`~kvtail_connector.core.containment`), one per hook call, on
     whichever part (scheduler side or worker rank) it happened.
 
     Gauge ``held_requests``: requests the wrapper holds state for (the largest

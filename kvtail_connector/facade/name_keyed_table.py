@@ -7,7 +7,7 @@ variable holding it) with a name in vLLM 0.32.0, 0.33.0 and 0.34.0, as one
 release and that vLLM has no name-keyed site the table misses (the scanner is
 ``tests/helpers/name_keyed_scan.py``, which ``scripts/vllm-release-check``
 shares). ``docs/name-keyed.md`` is the same table for readers, with why each
-row is handled as it is; :mod:`kvtail_connector.name_keyed` holds the checks.
+row is handled as it is; :mod:`kvtail_connector.facade.name_keyed` holds the checks.
 
 Not rows: ``_post_init_kv_transfer_config`` (``--kv-offloading-size``
 replaces ``kv_connector`` by a name, plain or wrapped alike),

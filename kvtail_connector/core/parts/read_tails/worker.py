@@ -5,8 +5,8 @@ blocks the scheduler half kept out of vLLM's zero list. On vLLM 0.33 (and 0.32
 under FULL CUDA graphs) every READ has landed when the inner ``start_load_kv``
 returns: one launch zeroes the step's READ tails there, before the forward.
 Otherwise each layer's tail is zeroed as that layer's READs land
-(:mod:`~kvtail_connector.features.read_tails.by_layer`; where arming those
-launches failed, :mod:`~kvtail_connector.features.read_tails.on_reference`).
+(:mod:`~kvtail_connector.core.parts.read_tails.by_layer`; where arming those
+launches failed, :mod:`~kvtail_connector.core.parts.read_tails.on_reference`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtail_connector.cache_sets import CacheSet
-from kvtail_connector.extension import WorkerExtra
-from kvtail_connector.features.read_tails.by_layer import LayerWork, ReadTailsByLayer
-from kvtail_connector.features.read_tails.on_reference import ReferenceLayers
-from kvtail_connector.features.zeroing import RankCaches
+from kvtail_connector.core.cache_sets import CacheSet
+from kvtail_connector.core.extension import WorkerExtra
+from kvtail_connector.core.metadata import LoadRecord
+from kvtail_connector.core.parts.read_tails.by_layer import LayerWork, ReadTailsByLayer
+from kvtail_connector.core.parts.read_tails.on_reference import ReferenceLayers
+from kvtail_connector.core.parts.zeroing import RankCaches
+from kvtail_connector.core.probe import probe_items
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import LoadRecord
 from kvtail_connector.ops import reference_zero_kv_blocks
-from kvtail_connector.probe import probe_items
 
 logger = get_logger(__name__)
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtail_connector.cache_sets import CacheSet, TailBytes
+from kvtail_connector.core.cache_sets import CacheSet, TailBytes
 from kvtail_connector.ops import KVZeroer
 
 

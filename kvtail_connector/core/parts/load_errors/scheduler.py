@@ -16,7 +16,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtail_connector import _compat
-from kvtail_connector.stats import KVTailStats
+from kvtail_connector.core.stats import KVTailStats
 
 
 class LoadErrorsScheduler:
@@ -31,7 +31,7 @@ class LoadErrorsScheduler:
 
     def started(self, req_id: str, blocks: tuple[Sequence[int], ...]) -> None:
         """An async load of ``req_id`` writing ``blocks`` (ids per group, a
-        window's gap as :data:`~kvtail_connector.metadata.NULL_BLOCK`, which
+        window's gap as :data:`~kvtail_connector.core.metadata.NULL_BLOCK`, which
         no reported id matches) is in flight. Kept as given: they are searched
         only when invalid blocks are reported."""
         self._in_flight[req_id] = blocks

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvtail_connector.containment import call_inner
+from kvtail_connector.core.containment import call_inner
 
 # request id -> the blocks its load in flight writes (iterated only when ids
 # are reported).

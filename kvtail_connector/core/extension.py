@@ -1,12 +1,12 @@
 """Where an opt-in feature plugs into the core, on either side.
 
-The core (:class:`~kvtail_connector.scheduler.TailScheduler`,
-:class:`~kvtail_connector.worker.TailWorker`) records what async loads leave
+The core (:class:`~kvtail_connector.core.scheduler.TailScheduler`,
+:class:`~kvtail_connector.core.worker.TailWorker`) records what async loads leave
 stale, zeroes it, handles MoRIIO READs and contains failures on its own.
 Features that need more (producer claims and the KV digest, which travel in
 the ``kvtail`` entry: ``kvtail_connector.extras``) implement
 :class:`SchedulerExtra` and :class:`WorkerExtra`; the assembly
-(:func:`kvtail_connector.assembly.assemble`) builds them where the policy
+(:func:`kvtail_connector.facade.assembly.assemble`) builds them where the policy
 turns a feature on and hands them to the sides, which call each method at the
 point its name says. The core imports no feature to do so. What a feature
 ships per load travels in its own payload (``KVTailMetadata.extra``,
@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from kvtail_connector.metadata import KVTailWorkerMeta, LoadRecord
+from kvtail_connector.core.metadata import KVTailWorkerMeta, LoadRecord
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-    from kvtail_connector.cache_sets import CacheSet
-    from kvtail_connector.features.zeroing import StaleSlots
+    from kvtail_connector.core.cache_sets import CacheSet
+    from kvtail_connector.core.parts.zeroing import StaleSlots
 
 # The core's record of an async load: ``build(keep)`` is None where the load
 # leaves nothing to zero (block-aligned, or the core zeroes no tails), unless
@@ -146,7 +146,8 @@ class WorkerExtra(Protocol):
         before its one launch."""
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """These loads left the core (completed, dropped or reported failed)."""
+        """These loads left the core (completed, dropped, reported failed, or
+        READs the core zeroed on its fallback path)."""
 
     def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
         """The pass's answer, with what the feature holds back or fails."""

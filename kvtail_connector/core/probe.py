@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtail_connector.cache_sets import CacheSet
+from kvtail_connector.core.cache_sets import CacheSet
 from kvtail_connector.ops.geometry import describe_cache
 from kvtail_connector.ops.zero.torch_path import CacheUnits, cache_units, tail_index
 

@@ -11,7 +11,7 @@ that orders after the zeroing:
 - every reader on the compute stream (the request's forward, CoW copies, a new
   owner's forward), on both model runners;
 - transfers the inner connector starts in ``start_load_kv``: the fence
-  (:meth:`~kvtail_connector.features.zeroing.RankCaches.fence`) waits for
+  (:meth:`~kvtail_connector.core.parts.zeroing.RankCaches.fence`) waits for
   earlier zeroing first;
 - on the V1 runner everything else too: its connector hooks run before
   sampling, and the scheduler reads the step's output after it. The V2 runner
@@ -19,7 +19,7 @@ that orders after the zeroing:
   completion while its zeroing is still queued; where a new owner's KV can
   arrive without ``start_load_kv`` (MoRIIO WRITE, started by the consumer's
   scheduler) completions are held until their zeroing has executed
-  (:mod:`~kvtail_connector.features.consumer_tails.hold`), and loads whose
+  (:mod:`~kvtail_connector.core.parts.consumer_tails.hold`), and loads whose
   request was aborted in flight are not zeroed at all
   (:meth:`ConsumerTailsWorker.completed`).
 """
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvtail_connector.features.consumer_tails.hold import CompletionHold
-from kvtail_connector.features.zeroing import RankCaches
+from kvtail_connector.core.metadata import NULL_BLOCK, LoadRecord
+from kvtail_connector.core.parts.consumer_tails.hold import CompletionHold
+from kvtail_connector.core.parts.zeroing import RankCaches
 from kvtail_connector.log import get_logger
-from kvtail_connector.metadata import NULL_BLOCK, LoadRecord
 
 logger = get_logger(__name__)
 

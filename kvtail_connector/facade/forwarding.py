@@ -1,10 +1,10 @@
 """The hooks and questions the wrapper passes to the inner connector unchanged.
 
 :class:`ForwardingConnector` is the base of
-:class:`~kvtail_connector.connector.KVTailConnector`: here vLLM sees the inner
+:class:`~kvtail_connector.facade.connector.KVTailConnector`: here vLLM sees the inner
 connector as if unwrapped. Instance methods call ``self._inner``; the class
 questions vLLM asks before any connector is built resolve the inner class from
-the config (:func:`kvtail_connector.inner.resolve`) and ask it.
+the config (:func:`kvtail_connector.facade.inner.resolve`) and ask it.
 ``tests/scheduler/test_connector_surface.py`` checks, release by release, that
 every public name of vLLM's connector base is either forwarded or answered by
 the wrapper itself (``connector.OWN_ANSWERS``).
@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtail_connector import _compat
-from kvtail_connector.inner import Resolved, children_of, resolve, wrapper_fields
+from kvtail_connector.facade.inner import Resolved, children_of, resolve, wrapper_fields
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
