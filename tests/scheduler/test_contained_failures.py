@@ -91,7 +91,7 @@ def test_a_failed_read_staging_zeroes_at_the_waits_and_leaves_nothing_for_the_ne
     monkeypatch,
 ):
     s = setup
-    _inject_once(monkeypatch, s.worker._reads._by_layer, "stage")
+    _inject_once(monkeypatch, s.worker._reads._per_layer._by_layer, "stage")
     _reads_started_contained(s.worker)  # step k: a and b armed, staging fails
     assert s.stats.data["internal_errors"] == 1
     before = _land_all(s)
@@ -153,7 +153,7 @@ def test_a_failed_end_step_zeroes_what_is_left_and_leaves_no_layer_work_behind(
     s.worker.reads_started(landed=False)
     before = _land_all(s)
     s.worker.layer_loaded(READ_LAYERS[0])  # the other layers' waits never ran
-    _inject_nth(monkeypatch, s.worker._reads._by_layer, "zero", failing)
+    _inject_nth(monkeypatch, s.worker._reads._per_layer._by_layer, "zero", failing)
     try:
         s.worker.end_step()
     except Exception as exc:
@@ -181,10 +181,10 @@ def test_a_fallback_failing_partway_after_end_step_still_fences_what_it_zeroed(
     # layer. The event the next start_load_kv's fence waits on is recorded
     # behind what was zeroed and becomes the rank's (on CPU no event exists:
     # a stand-in stands for it), and nothing is left for a later step.
-    from kvtail_connector.core.parts.read_tails import worker as read_worker
+    from kvtail_connector.core.parts.read_tails import per_layer as read_worker
 
     s = setup
-    by_layer = s.worker._reads._by_layer
+    by_layer = s.worker._reads._per_layer._by_layer
     s.worker.reads_started(landed=False)
     before = _land_all(s)
     _inject_once(monkeypatch, by_layer, "zero")
@@ -239,7 +239,7 @@ def test_a_layer_whose_read_tail_launch_fails_is_zeroed_on_the_reference_path(
     s = setup
     s.worker.reads_started(landed=False)
     before = _land_all(s)
-    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
+    _inject_once(monkeypatch, s.worker._reads._per_layer._by_layer, "zero")
     _layer_loaded_contained(s.worker, READ_LAYERS[0])
     assert s.stats.data["internal_errors"] == 1
     # Exactly the failed layer's tails zeroed, before its attention; the other
@@ -258,7 +258,7 @@ def test_a_failure_after_a_layers_launch_neither_zeroes_nor_counts_it_again(
     monkeypatch,
 ):
     s = setup
-    reads = s.worker._reads
+    reads = s.worker._reads._per_layer
     s.worker.reads_started(landed=False)
     before = _land_all(s)
     for name in READ_LAYERS[:-1]:
@@ -290,7 +290,7 @@ def test_the_facade_runs_the_layer_fallback(setup, monkeypatch):  # noqa: F811
     facade._guard = _guard(s.worker)
     s.worker.reads_started(landed=False)
     before = _land_all(s)
-    _inject_once(monkeypatch, s.worker._reads._by_layer, "zero")
+    _inject_once(monkeypatch, s.worker._reads._per_layer._by_layer, "zero")
     facade.wait_for_layer_load(READ_LAYERS[0])
     assert s.stats.data["internal_errors"] == 1
     assert torch.equal(s.caches.raw[0], _expected(s, [READ_LAYERS[0]], before))
