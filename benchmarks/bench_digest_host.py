@@ -34,7 +34,7 @@ install_if_absent()
 
 from kvtail_connector.core.cache_sets import CacheSet  # noqa: E402
 from kvtail_connector.core.metadata import GroupLoad  # noqa: E402
-from kvtail_connector.extras.entry import Digest  # noqa: E402
+from kvtail_connector.extras.entry_values import Digest, segment_for  # noqa: E402
 from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
 from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest  # noqa: E402
 from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
@@ -92,7 +92,7 @@ def main() -> int:
             )
             for i in range(k)
         ]
-        segment = rank_digests.entry.segment_for(n)
+        segment = segment_for(n)
         n_seg = -(-n // segment)
         sums = {0: {h: tuple(int(v) for v in rng.integers(0, 2**63, n_seg)) for h in range(8)}}
         dg = Digest(rank_digests.ALGORITHM, segment, digests.signature, sums)

@@ -17,7 +17,7 @@ import torch
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry, entry_values
 from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
 from kvtail_connector.extras.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
@@ -416,7 +416,7 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
 def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     """A consumer rank's verdict on a load of tokens ``[num_local, n)`` of
     ``blocks`` in group 0 (planned at bind, compared at release), checked
-    against ``digest``: a producer's ``entry.Digest``, or sums taken as made
+    against ``digest``: a producer's ``entry_values.Digest``, or sums taken as made
     with this rank's own signature."""
     from kvtail_connector.core.cache_sets import CacheSet, cache_slots
     from kvtail_connector.core.metadata import GroupLoad
@@ -426,8 +426,8 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
         [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
     )
     dg = digest
-    if not isinstance(dg, entry.Digest):
-        dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, digest)
+    if not isinstance(dg, entry_values.Digest):
+        dg = entry_values.Digest(ALGORITHM, entry_values.segment_for(n), digests.signature, digest)
     first = num_local // cache_slots(caches[0])
     load = CheckedLoad(
         "r",
@@ -495,7 +495,7 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
     n = 40
     digests = worker._digests
     assert digests is not None
-    dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, {0: {}})
+    dg = entry_values.Digest(ALGORITHM, entry_values.segment_for(n), digests.signature, {0: {}})
     load = CheckedLoad("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
     worker.bind((), (load,))
     assert worker.idle

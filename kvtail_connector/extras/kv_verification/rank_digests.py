@@ -55,7 +55,7 @@ import torch
 
 from kvtail_connector.core.cache_sets import CacheSet, cache_slots
 from kvtail_connector.core.metadata import NULL_BLOCK
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry_values
 from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
 from kvtail_connector.extras.metadata import (
     MISMATCH,
@@ -204,7 +204,7 @@ class RankDigests:
         one binary. No cache byte is read; nothing to do off CUDA."""
         tensors = [getattr(c, "tensor", c) for s in self._sets for c in s.caches]
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-            self._digester(entry.segment_for(0), producer=False).warmup()
+            self._digester(entry_values.segment_for(0), producer=False).warmup()
 
     # -------------------------------------------------------------- producer
 
@@ -214,7 +214,7 @@ class RankDigests:
         return [
             PlannedPrompt(
                 r,
-                entry.segment_for(r.num_loaded),
+                entry_values.segment_for(r.num_loaded),
                 tuple(self._span(r, g, 0, r.num_loaded) for g in self.group_ids),
             )
             for r in records
@@ -424,8 +424,8 @@ class RankDigests:
             return f"KV heads {first}-{first + per_rank - 1} (digested as one page)"
         return f"KV head {head}"
 
-    def _sums(self, results: Any, index: int) -> entry.Sums:
-        out: entry.Sums = {}
+    def _sums(self, results: Any, index: int) -> entry_values.Sums:
+        out: entry_values.Sums = {}
         for gid, digest in zip(self.group_ids, results()[index], strict=True):
             if digest is not None:
                 out[gid] = {h: tuple(row) for h, row in digest.by_head().items()}
