@@ -36,7 +36,7 @@ from kvtail_connector.core.cache_sets import CacheSet  # noqa: E402
 from kvtail_connector.core.metadata import GroupLoad  # noqa: E402
 from kvtail_connector.extras.entry_values import Digest, segment_for  # noqa: E402
 from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
-from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest  # noqa: E402
+from kvtail_connector.extras.metadata import VERIFIED, CheckedLoad, ExpectedDigest  # noqa: E402
 from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
 
 BLOCK = 16
@@ -126,7 +126,7 @@ def main() -> int:
         for check in digests._checks._held.values():
             check.result = lambda theirs=theirs: [GroupDigest(tuple(range(8)), theirs[0])]
         checks = list(digests._checks._held.values())
-        assert all(digests._compare(c) == rank_digests.VERIFIED for c in checks)
+        assert all(digests._compare(c) == VERIFIED for c in checks)
 
         def compare(checks=checks):
             for c in checks:

@@ -337,7 +337,7 @@ def build_worker(
     for ``verify_kv``)."""
     make_extra = None
     if needs_extra(policy):
-        from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+        from kvtail_connector.extras.kv_verification.placement import HeadPlacement
         from kvtail_connector.extras.worker import EntryFeaturesWorker
 
         placement_of_heads = HeadPlacement(*heads) if heads is not None else HeadPlacement()

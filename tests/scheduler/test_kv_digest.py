@@ -19,6 +19,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtail_connector.extras import entry, entry_values
 from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement
 from kvtail_connector.extras.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
@@ -370,7 +371,7 @@ def rank_part(caches: list[Any], blocks: list[int], n: int, placement: Any = Non
     from kvtail_connector.extras.metadata import CheckedLoad
 
     sets = [CacheSet(0, 1, 1, list(caches))]
-    digests = kv_digests_mod.RankDigests(sets, placement or kv_digests_mod.HeadPlacement())
+    digests = kv_digests_mod.RankDigests(sets, placement or HeadPlacement())
     record = CheckedLoad("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
     return digests.digest_prompts([record])["r"]
 
@@ -383,7 +384,7 @@ def _rank_parts(full: list[torch.Tensor], tp: int, blocks: list[int], n: int) ->
     for rank in range(tp):
         heads = rank_heads(rank, tp, total)
         local = [c[:, heads].clone() for c in full]
-        placement = kv_digests_mod.HeadPlacement(rank, tp, total)
+        placement = HeadPlacement(rank, tp, total)
         parts.append(rank_part(local, blocks, n, placement))
     return parts
 
@@ -423,7 +424,7 @@ def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
 
     digests = kv_digests_mod.RankDigests(
-        [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
+        [CacheSet(0, 1, 1, list(caches))], placement or HeadPlacement()
     )
     dg = digest
     if not isinstance(dg, entry_values.Digest):
@@ -489,7 +490,7 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
 
     g = torch.Generator().manual_seed(3)
     caches = [torch.randn(6, 2, BLOCK, 8, generator=g)]
-    worker = VerificationWorker(kv_digests_mod.HeadPlacement(), verifies_loads=True)
+    worker = VerificationWorker(HeadPlacement(), verifies_loads=True)
     worker.register([CacheSet(0, 1, 1, list(caches))])
     assert worker.idle
     n = 40
@@ -518,7 +519,7 @@ def _group_parts(full, tp, blocks, n):
     parts = []
     for rank in range(tp):
         local = [c[:, rank_heads(rank, tp, _LAYER_HEADS)].clone() for c in full]
-        placement = kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS)
+        placement = HeadPlacement(rank, tp, _MODEL_HEADS)
         parts.append(rank_part(local, blocks, n, placement))
     merged = parts[0]
     for part in parts[1:]:
@@ -539,7 +540,7 @@ def _group_verdicts(full, tp, blocks, n, digest):
             blocks,
             n,
             digest,
-            placement=kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS),
+            placement=HeadPlacement(rank, tp, _MODEL_HEADS),
         )
         for rank in range(tp)
     ]

@@ -384,7 +384,7 @@ def test_without_the_digest_its_dg_is_neither_walked_nor_parsed():
 
 
 def test_segments_inside_a_range_match_a_brute_force_count():
-    from kvtail_connector.extras.kv_verification.rank_digests import _inside
+    from kvtail_connector.extras.kv_verification.load_checks import inside
 
     for segment in (256, 1024):
         for n in (1, 255, 256, 257, 3000, 4096):
@@ -395,5 +395,5 @@ def test_segments_inside_a_range_match_a_brute_force_count():
                         for j in range(-(-n // segment))
                         if j * segment >= start and min((j + 1) * segment, n) <= end
                     ]
-                    assert list(_inside(segment, n, start, end)) == want, (segment, n, start, end)
-    assert len(_inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n
+                    assert list(inside(segment, n, start, end)) == want, (segment, n, start, end)
+    assert len(inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n
