@@ -37,7 +37,8 @@ from kvtail_connector.core.metadata import GroupLoad  # noqa: E402
 from kvtail_connector.extras.entry_values import Digest, segment_for  # noqa: E402
 from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
 from kvtail_connector.extras.metadata import VERIFIED, CheckedLoad, ExpectedDigest  # noqa: E402
-from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
+from kvtail_connector.extras.ops.digest.launcher import KVDigester  # noqa: E402
+from kvtail_connector.extras.ops.digest.results import GroupDigest  # noqa: E402
 
 BLOCK = 16
 SIZES = [(1, 1024), (1, 8192), (1, 131072), (16, 1024), (16, 8192)]
