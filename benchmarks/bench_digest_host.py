@@ -34,10 +34,11 @@ install_if_absent()
 
 from kvtail_connector.core.cache_sets import CacheSet  # noqa: E402
 from kvtail_connector.core.metadata import GroupLoad  # noqa: E402
-from kvtail_connector.extras.entry import Digest  # noqa: E402
+from kvtail_connector.extras.entry_values import Digest, segment_for  # noqa: E402
 from kvtail_connector.extras.kv_verification import rank_digests  # noqa: E402
-from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest  # noqa: E402
-from kvtail_connector.extras.ops.digest.launcher import GroupDigest, KVDigester  # noqa: E402
+from kvtail_connector.extras.metadata import VERIFIED, CheckedLoad, ExpectedDigest  # noqa: E402
+from kvtail_connector.extras.ops.digest.launcher import KVDigester  # noqa: E402
+from kvtail_connector.extras.ops.digest.results import GroupDigest  # noqa: E402
 
 BLOCK = 16
 SIZES = [(1, 1024), (1, 8192), (1, 131072), (16, 1024), (16, 8192)]
@@ -92,7 +93,7 @@ def main() -> int:
             )
             for i in range(k)
         ]
-        segment = rank_digests.entry.segment_for(n)
+        segment = segment_for(n)
         n_seg = -(-n // segment)
         sums = {0: {h: tuple(int(v) for v in rng.integers(0, 2**63, n_seg)) for h in range(8)}}
         dg = Digest(rank_digests.ALGORITHM, segment, digests.signature, sums)
@@ -126,7 +127,7 @@ def main() -> int:
         for check in digests._checks._held.values():
             check.result = lambda theirs=theirs: [GroupDigest(tuple(range(8)), theirs[0])]
         checks = list(digests._checks._held.values())
-        assert all(digests._compare(c) == rank_digests.VERIFIED for c in checks)
+        assert all(digests._compare(c) == VERIFIED for c in checks)
 
         def compare(checks=checks):
             for c in checks:

@@ -49,7 +49,7 @@ from kvtail_connector.core.parts.zeroing import RankPlacement  # noqa: E402
 from kvtail_connector.core.policy import TailPolicy  # noqa: E402
 from kvtail_connector.core.stats import KVTailStats  # noqa: E402
 from kvtail_connector.core.worker import TailWorker  # noqa: E402
-from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement  # noqa: E402
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement  # noqa: E402
 from kvtail_connector.extras.metadata import (  # noqa: E402
     CheckedLoad,
     EntryStep,

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from kvtail_connector._version import __version__
 from kvtail_connector.core.policy import TailPolicy
 from kvtail_connector.core.stats import KVTailStats
-from kvtail_connector.extras import entry, trust
+from kvtail_connector.extras import entry, entry_values, trust
 from kvtail_connector.extras.metadata import EntryReport, ExpectedDigest, report_of
 from kvtail_connector.log import get_logger
 
@@ -38,7 +38,7 @@ def decline(stats: KVTailStats, request: Any, why: str) -> None:
     logger.debug("kvtail: %s: producer claim declined (%s)", request.request_id, why)
 
 
-def binding_nodes(limits: entry.Limits, min_block_size: int) -> int:
+def binding_nodes(limits: entry_values.Limits, min_block_size: int) -> int:
     # A producer of a smaller block size (NIXL maps block size ratios)
     # sends up to 4x the block ids D's own would have.
     return trust.binding_nodes(limits, max(1, min_block_size // 4))
@@ -96,7 +96,7 @@ class EntryWriter:
 
     def __init__(
         self,
-        geometry: entry.Geometry | None,
+        geometry: entry_values.Geometry | None,
         *,
         binding_nodes: int,
         key: bytes | None,
@@ -110,12 +110,12 @@ class EntryWriter:
     def send_all(
         self,
         claims: dict[str, tuple[dict[str, Any], int]],
-        digests: dict[str, tuple[dict[str, Any], int, entry.Digest]],
+        digests: dict[str, tuple[dict[str, Any], int, entry_values.Digest]],
     ) -> None:
         """One entry per request: its claim (params, prompt length) and/or its
         digest (params, prompt length, digest)."""
         # request id -> (its params, prompt length, tail confirmed, digest)
-        sent: dict[str, tuple[dict[str, Any], int, bool, entry.Digest | None]] = {
+        sent: dict[str, tuple[dict[str, Any], int, bool, entry_values.Digest | None]] = {
             req_id: (params, n, True, None) for req_id, (params, n) in claims.items()
         }
         for req_id, (params, n, digest) in digests.items():
@@ -129,7 +129,7 @@ class EntryWriter:
         params: dict[str, Any],
         num_tokens: int,
         tail_zero: bool,
-        digest: entry.Digest | None,
+        digest: entry_values.Digest | None,
     ) -> None:
         """Add the entry, bound to the transfer its params name and signed
         with the shared key, if any; none where the params name no transfer."""
@@ -173,8 +173,8 @@ class EntryReader:
         self,
         policy: TailPolicy,
         *,
-        geometry: entry.Geometry | None,
-        limits: entry.Limits,
+        geometry: entry_values.Geometry | None,
+        limits: entry_values.Limits,
         binding_nodes: int,
         key: bytes | None,
         stats: KVTailStats,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvtail_connector.core.metadata import GroupLoad, LoadRecord
-from kvtail_connector.extras.entry import Digest, StateDigest, StateSums, Sums
+from kvtail_connector.extras.entry_values import Digest, StateDigest, StateSums, Sums
 
 MASK64 = (1 << 64) - 1
 
@@ -82,7 +82,7 @@ class DigestPart:
 
     Args:
         algorithm, segment, signature: what the sums were made with (see
-            :class:`~kvtail_connector.extras.entry.Digest`).
+            :class:`~kvtail_connector.extras.entry_values.Digest`).
         sums: group -> global KV head -> segment sums; or None with
             ``resolve`` given.
         resolve: returns the sums (waits for the device).

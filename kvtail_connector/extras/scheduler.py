@@ -21,7 +21,7 @@ from kvtail_connector.core.metadata import GroupLoad, LoadRecord
 from kvtail_connector.core.parts.records import LoadRecords
 from kvtail_connector.core.policy import TailPolicy
 from kvtail_connector.core.stats import KVTailStats
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry, entry_values
 from kvtail_connector.extras.entries import EntryReader, EntryWriter, binding_nodes
 from kvtail_connector.extras.kv_verification.scheduler import VerificationScheduler
 from kvtail_connector.extras.metadata import EntryStep, ExpectedDigest, LoadCheck, report_of
@@ -50,9 +50,9 @@ class EntryFeatures:
         policy: TailPolicy,
         stats: KVTailStats,
         *,
-        geometry: entry.Geometry | None,
+        geometry: entry_values.Geometry | None,
         num_workers: int = 1,
-        limits: entry.Limits = entry.UNBOUNDED,
+        limits: entry_values.Limits = entry_values.UNBOUNDED,
         min_block_size: int = 16,
         key: bytes | None = None,
     ) -> None:

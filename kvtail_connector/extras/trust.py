@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry, entry_values
 
 # The keys of kv_transfer_params that identify a transfer, in both releases'
 # NIXL (pull and push) and MoRIIO request_finished. Absent ones are left out.
@@ -53,7 +53,7 @@ def binding(params: Mapping[str, Any], max_nodes: int) -> str | None:
     return hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
 
 
-def binding_nodes(limits: entry.Limits, min_block_size: int) -> int:
+def binding_nodes(limits: entry_values.Limits, min_block_size: int) -> int:
     """Values a clean binding can hold on this consumer: ids, and a block id
     per block of the longest prompt in each group (and slack)."""
     per_group = -(-limits.max_tokens // max(min_block_size, 1)) + 2

@@ -22,7 +22,7 @@ from kvtail_connector.core.extension import Completed
 from kvtail_connector.core.metadata import LoadRecord
 from kvtail_connector.core.parts.zeroing import RankCaches
 from kvtail_connector.core.policy import TailPolicy
-from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement
 from kvtail_connector.extras.kv_verification.rank_states import state_sets
 from kvtail_connector.extras.kv_verification.worker import VerificationWorker
 from kvtail_connector.extras.metadata import CheckedLoad, EntryReport, EntryStep

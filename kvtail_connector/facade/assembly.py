@@ -296,12 +296,12 @@ def _scheduler_extra(
     stats: KVTailStats,
     entry_key: bytes | None,
 ) -> SchedulerExtra:
-    from kvtail_connector.extras import entry
+    from kvtail_connector.extras import entry_values
     from kvtail_connector.extras.scheduler import EntryFeatures
 
     parallel = vllm_config.parallel_config
     specs = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in groups]
-    geometry = entry.geometry(
+    geometry = entry_values.geometry(
         [spec for spec, g in zip(specs, groups, strict=True) if g.has_tails],
         dcp_world,
         _compat.dcp_interleave_size(parallel),
@@ -312,7 +312,7 @@ def _scheduler_extra(
         stats,
         geometry=geometry,
         num_workers=_compat.worker_count(parallel),
-        limits=entry.Limits(
+        limits=entry_values.Limits(
             max_tokens=int(vllm_config.model_config.max_model_len),
             num_groups=len(kv_cache_config.kv_cache_groups),
             num_kv_heads=_compat.kv_head_placement(vllm_config)[2],
@@ -337,7 +337,7 @@ def build_worker(
     for ``verify_kv``)."""
     make_extra = None
     if needs_extra(policy):
-        from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+        from kvtail_connector.extras.kv_verification.placement import HeadPlacement
         from kvtail_connector.extras.worker import EntryFeaturesWorker
 
         placement_of_heads = HeadPlacement(*heads) if heads is not None else HeadPlacement()

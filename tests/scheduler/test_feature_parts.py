@@ -20,7 +20,7 @@ from kvtail_connector.core.policy import TailPolicy
 from kvtail_connector.core.scheduler import TailScheduler
 from kvtail_connector.core.stats import KVTailStats
 from kvtail_connector.core.worker import TailWorker
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry_values
 from kvtail_connector.extras.scheduler import EntryFeatures
 from kvtail_connector.facade.assembly import build_worker
 from tests.helpers.recording import RecordingConnector
@@ -55,7 +55,7 @@ def _scheduler(policy: TailPolicy) -> TailScheduler:
             records,
             policy,
             stats,
-            geometry=entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
+            geometry=entry_values.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
         )
         if EntryFeatures.needed(policy)
         else None

@@ -17,8 +17,9 @@ import torch
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry, entry_values
 from kvtail_connector.extras.kv_verification import rank_digests as kv_digests_mod
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement
 from kvtail_connector.extras.ops.digest.reference import ALGORITHM, reference_digest
 from tests.helpers.lifecycle import BLOCK, Harness, routed
 from tests.helpers.vllm_factories import run_step
@@ -370,7 +371,7 @@ def rank_part(caches: list[Any], blocks: list[int], n: int, placement: Any = Non
     from kvtail_connector.extras.metadata import CheckedLoad
 
     sets = [CacheSet(0, 1, 1, list(caches))]
-    digests = kv_digests_mod.RankDigests(sets, placement or kv_digests_mod.HeadPlacement())
+    digests = kv_digests_mod.RankDigests(sets, placement or HeadPlacement())
     record = CheckedLoad("r", 0, n, (GroupLoad(0, 0, tuple(blocks)),))
     return digests.digest_prompts([record])["r"]
 
@@ -383,7 +384,7 @@ def _rank_parts(full: list[torch.Tensor], tp: int, blocks: list[int], n: int) ->
     for rank in range(tp):
         heads = rank_heads(rank, tp, total)
         local = [c[:, heads].clone() for c in full]
-        placement = kv_digests_mod.HeadPlacement(rank, tp, total)
+        placement = HeadPlacement(rank, tp, total)
         parts.append(rank_part(local, blocks, n, placement))
     return parts
 
@@ -416,18 +417,18 @@ def test_parts_made_over_other_layouts_do_not_merge_into_a_digest():
 def rank_verdict(caches, blocks, n, digest, num_local=0, placement=None):
     """A consumer rank's verdict on a load of tokens ``[num_local, n)`` of
     ``blocks`` in group 0 (planned at bind, compared at release), checked
-    against ``digest``: a producer's ``entry.Digest``, or sums taken as made
+    against ``digest``: a producer's ``entry_values.Digest``, or sums taken as made
     with this rank's own signature."""
     from kvtail_connector.core.cache_sets import CacheSet, cache_slots
     from kvtail_connector.core.metadata import GroupLoad
     from kvtail_connector.extras.metadata import CheckedLoad, ExpectedDigest
 
     digests = kv_digests_mod.RankDigests(
-        [CacheSet(0, 1, 1, list(caches))], placement or kv_digests_mod.HeadPlacement()
+        [CacheSet(0, 1, 1, list(caches))], placement or HeadPlacement()
     )
     dg = digest
-    if not isinstance(dg, entry.Digest):
-        dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, digest)
+    if not isinstance(dg, entry_values.Digest):
+        dg = entry_values.Digest(ALGORITHM, entry_values.segment_for(n), digests.signature, digest)
     first = num_local // cache_slots(caches[0])
     load = CheckedLoad(
         "r",
@@ -489,13 +490,13 @@ def test_a_load_only_planned_leaves_the_completion_pass_idle():
 
     g = torch.Generator().manual_seed(3)
     caches = [torch.randn(6, 2, BLOCK, 8, generator=g)]
-    worker = VerificationWorker(kv_digests_mod.HeadPlacement(), verifies_loads=True)
+    worker = VerificationWorker(HeadPlacement(), verifies_loads=True)
     worker.register([CacheSet(0, 1, 1, list(caches))])
     assert worker.idle
     n = 40
     digests = worker._digests
     assert digests is not None
-    dg = entry.Digest(ALGORITHM, entry.segment_for(n), digests.signature, {0: {}})
+    dg = entry_values.Digest(ALGORITHM, entry_values.segment_for(n), digests.signature, {0: {}})
     load = CheckedLoad("r", 0, n, (GroupLoad(0, 0, (4, 1, 5)),), expected=ExpectedDigest(n, dg))
     worker.bind((), (load,))
     assert worker.idle
@@ -518,7 +519,7 @@ def _group_parts(full, tp, blocks, n):
     parts = []
     for rank in range(tp):
         local = [c[:, rank_heads(rank, tp, _LAYER_HEADS)].clone() for c in full]
-        placement = kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS)
+        placement = HeadPlacement(rank, tp, _MODEL_HEADS)
         parts.append(rank_part(local, blocks, n, placement))
     merged = parts[0]
     for part in parts[1:]:
@@ -539,7 +540,7 @@ def _group_verdicts(full, tp, blocks, n, digest):
             blocks,
             n,
             digest,
-            placement=kv_digests_mod.HeadPlacement(rank, tp, _MODEL_HEADS),
+            placement=HeadPlacement(rank, tp, _MODEL_HEADS),
         )
         for rank in range(tp)
     ]

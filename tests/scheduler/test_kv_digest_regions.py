@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtail_connector.extras.kv_verification.rank_digests import HeadPlacement
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement
 from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, VERIFIED
 from kvtail_connector.extras.ops.digest.reference import reference_digest
 from kvtail_connector.ops import RegionCache, indexer_cache

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtail_connector._version import __version__
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry, entry_values
 
-LIMITS = entry.Limits(max_tokens=4096, num_groups=3, num_kv_heads=4)
+LIMITS = entry_values.Limits(max_tokens=4096, num_groups=3, num_kv_heads=4)
 BIND = "0123456789abcdef" * 2
 
 
@@ -30,10 +30,12 @@ def _spec(block_size=16, dtype="torch.bfloat16", head_size=128, kind="FullAttent
     return spec
 
 
-def _entry(n: int = 45, tail: bool = True, digest: entry.Digest | None = None) -> entry.Entry:
+def _entry(
+    n: int = 45, tail: bool = True, digest: entry_values.Digest | None = None
+) -> entry.Entry:
     return entry.Entry(
         num_tokens=n,
-        geometry=entry.geometry([_spec()], dcp=1, interleave=1),
+        geometry=entry_values.geometry([_spec()], dcp=1, interleave=1),
         tail_zero=tail,
         digest=digest,
         binding=BIND,
@@ -60,15 +62,15 @@ def test_round_trip_through_json_and_unknown_keys_are_ignored():
 
 
 def test_the_geometry_depends_on_what_names_the_same_slots():
-    base = entry.geometry([_spec()], 1, 1)
-    assert base == entry.geometry([_spec()], 1, 1)
-    assert base != entry.geometry([_spec(block_size=32)], 1, 1)
-    assert base != entry.geometry([_spec(dtype="torch.float8_e4m3fn")], 1, 1)
-    assert base != entry.geometry([_spec(head_size=64)], 1, 1)
-    assert base != entry.geometry([_spec(kind="MLAAttentionSpec")], 1, 1)
-    assert base != entry.geometry([_spec()], 2, 1)
-    assert base != entry.geometry([_spec()], 1, 16)
-    assert base != entry.geometry([_spec(), _spec()], 1, 1)
+    base = entry_values.geometry([_spec()], 1, 1)
+    assert base == entry_values.geometry([_spec()], 1, 1)
+    assert base != entry_values.geometry([_spec(block_size=32)], 1, 1)
+    assert base != entry_values.geometry([_spec(dtype="torch.float8_e4m3fn")], 1, 1)
+    assert base != entry_values.geometry([_spec(head_size=64)], 1, 1)
+    assert base != entry_values.geometry([_spec(kind="MLAAttentionSpec")], 1, 1)
+    assert base != entry_values.geometry([_spec()], 2, 1)
+    assert base != entry_values.geometry([_spec()], 1, 16)
+    assert base != entry_values.geometry([_spec(), _spec()], 1, 1)
 
 
 def _edited(path: tuple[Any, ...], value: Any, base: dict[str, Any] | None = None) -> Any:
@@ -146,9 +148,9 @@ def test_an_entry_without_the_tail_claim_claims_nothing():
 
 
 def _digested(n: int = 45, **dg: Any) -> dict[str, Any]:
-    rows = -(-n // entry.segment_for(n))
+    rows = -(-n // entry_values.segment_for(n))
     sums = {0: {0: (1,) * (rows - 1) + (2**64 - 1,), 3: (5,) * rows}, 2: {1: (7,) * rows}}
-    digest = entry.Digest("mix64-1", entry.segment_for(n), "ab" * 8, sums)
+    digest = entry_values.Digest("mix64-1", entry_values.segment_for(n), "ab" * 8, sums)
     wire = _wire(_entry(n, digest=digest))
     wire["dg"].update(dg)
     return wire
@@ -213,20 +215,25 @@ def test_a_digest_outside_the_model_is_ignored_and_the_rest_of_the_entry_kept(dg
     ("n", "segment"), [(1, 1024), (32 * 1024, 1024), (32 * 1024 + 1, 2048), (10**6, 32768)]
 )
 def test_segments_are_1024_tokens_or_fewer_than_33(n, segment):
-    assert entry.segment_for(n) == segment
+    assert entry_values.segment_for(n) == segment
 
 
 def test_the_largest_clean_entry_fits_the_walk_and_one_more_head_row_does_not_matter():
     # Every group and head of D, every segment of the longest prompt: a clean entry.
     n = LIMITS.max_tokens
-    rows = -(-n // entry.segment_for(n))
+    rows = -(-n // entry_values.segment_for(n))
     sums = {
         g: {h: (g + h,) * rows for h in range(LIMITS.num_kv_heads)}
         for g in range(LIMITS.num_groups)
     }
-    digest = entry.Digest("mix64-1", entry.segment_for(n), "ab" * 8, sums)
+    digest = entry_values.Digest("mix64-1", entry_values.segment_for(n), "ab" * 8, sums)
     e = entry.Entry(
-        n, entry.Geometry((16, 16, 16), 1, 1, "cd" * 8), True, digest, binding=BIND, mac="e" * 64
+        n,
+        entry_values.Geometry((16, 16, 16), 1, 1, "cd" * 8),
+        True,
+        digest,
+        binding=BIND,
+        mac="e" * 64,
     )
     wire = _wire(e)
     assert entry.measure(wire, LIMITS.max_nodes) is not None
@@ -318,7 +325,7 @@ def test_any_field_of_a_valid_entry_replaced_reads_without_raising(path, value, 
         assert len(found.geometry.block_sizes) <= LIMITS.num_groups
         if found.digest is not None:
             dg = found.digest
-            assert dg.segment == entry.segment_for(found.num_tokens)
+            assert dg.segment == entry_values.segment_for(found.num_tokens)
             for g, heads in dg.sums.items():
                 assert 0 <= g < LIMITS.num_groups
                 for h, row in heads.items():
@@ -377,7 +384,7 @@ def test_without_the_digest_its_dg_is_neither_walked_nor_parsed():
 
 
 def test_segments_inside_a_range_match_a_brute_force_count():
-    from kvtail_connector.extras.kv_verification.rank_digests import _inside
+    from kvtail_connector.extras.kv_verification.load_checks import inside
 
     for segment in (256, 1024):
         for n in (1, 255, 256, 257, 3000, 4096):
@@ -388,5 +395,5 @@ def test_segments_inside_a_range_match_a_brute_force_count():
                         for j in range(-(-n // segment))
                         if j * segment >= start and min((j + 1) * segment, n) <= end
                     ]
-                    assert list(_inside(segment, n, start, end)) == want, (segment, n, start, end)
-    assert len(_inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n
+                    assert list(inside(segment, n, start, end)) == want, (segment, n, start, end)
+    assert len(inside(1024, 10**30, 0, 4096)) == 4  # closed form: no loop over n

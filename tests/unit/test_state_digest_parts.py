@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from kvtail_connector.core.kvgroups import state_block
 from kvtail_connector.core.metadata import GroupLoad
-from kvtail_connector.extras import entry
-from kvtail_connector.extras.entry import Digest, Limits, StateDigest
+from kvtail_connector.extras import entry, entry_values
+from kvtail_connector.extras.entry_values import Digest, Limits, StateDigest
 from kvtail_connector.extras.kv_verification.rank_states import RankStates, StateSet
 from kvtail_connector.extras.metadata import (
     MISMATCH,
@@ -90,7 +90,7 @@ def test_the_state_digest_crosses_the_entry_and_back() -> None:
     )
     made = entry.Entry(
         num_tokens=40,
-        geometry=entry.Geometry((16,), 1, 1, "ef" * 8),
+        geometry=entry_values.Geometry((16,), 1, 1, "ef" * 8),
         tail_zero=False,
         digest=digest,
         binding="0" * 32,
@@ -100,7 +100,7 @@ def test_the_state_digest_crosses_the_entry_and_back() -> None:
     assert reading.why == "ok" and reading.digest_why == "ok"
     assert reading.entry is not None and reading.entry.digest == digest
     # A state group or shard outside the bounds makes the dg malformed.
-    for bad in ({"2": {"0": "0" * 16}}, {"1": {str(entry.MAX_STATE_SHARDS): "0" * 16}}):
+    for bad in ({"2": {"0": "0" * 16}}, {"1": {str(entry_values.MAX_STATE_SHARDS): "0" * 16}}):
         raw = made.to_json()
         raw["dg"]["st"]["g"] = bad
         assert entry.read({entry.KEY: raw}, limits).digest_why == "malformed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtail_connector.extras import entry, trust
+from kvtail_connector.extras import entry, entry_values, trust
 
 NIXL = {
     "do_remote_prefill": True,
@@ -46,7 +46,9 @@ def test_no_binding_without_a_request_or_transfer_id_or_past_the_bound():
 
 def test_the_mac_covers_every_key_but_itself():
     key = b"k" * 32
-    wire = entry.Entry(45, entry.Geometry((16,), 1, 1, "ab" * 8), True, binding="c" * 32).to_json()
+    wire = entry.Entry(
+        45, entry_values.Geometry((16,), 1, 1, "ab" * 8), True, binding="c" * 32
+    ).to_json()
     wire["mac"] = trust.sign(key, wire)
     assert trust.verifies(key, wire)
     assert not trust.verifies(b"other", wire)

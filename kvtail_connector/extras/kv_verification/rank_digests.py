@@ -27,24 +27,14 @@ with token tails held in one cache set of one slot per token; other groups
 (several page splits, compressed states) and groups whose blocks a
 sliding window dropped are not digested.
 
-Page layouts described as regions (CPU attention, ROCm paged attention, the
-fp8 indexer) have no per-head view: a rank's region cache is one head, keyed
-by :meth:`HeadPlacement.heads` with one local head. Where TP shards the KV
-heads that key is the group's head offset on this rank (the rank's index for
-region caches alone) and its sums cover the rank's whole shard;
-where TP replicates them (TP > KV heads: one real head per rank; MLA and its
-indexer, one latent on every rank) it is the real global head, counted on its
-lowest replica by P and compared on every replica by D. The signature carries
-the page description and the real heads one key covers
-(:attr:`HeadPlacement.heads_per_rank`), so region sums compare exactly between
-P and D that key them alike: the same heads per rank (at more than one, the
-same TP) and the same pages; any other pair is not verified, never a mismatch.
+Page layouts described as regions, and how TP keys heads: :mod:`placement`
+(:class:`HeadPlacement`, :func:`signature`); the consumer's check of one load:
+:mod:`load_checks`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,15 +45,16 @@ import torch
 
 from kvtail_connector.core.cache_sets import CacheSet, cache_slots
 from kvtail_connector.core.metadata import NULL_BLOCK
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry_values
 from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
-from kvtail_connector.extras.metadata import (
-    MISMATCH,
-    UNVERIFIED,
-    VERIFIED,
-    CheckedLoad,
-    DigestPart,
+from kvtail_connector.extras.kv_verification.load_checks import (
+    LoadCheck,
+    PlannedLoad,
+    compare,
+    inside,
 )
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement, signature
+from kvtail_connector.extras.metadata import UNVERIFIED, CheckedLoad, DigestPart
 from kvtail_connector.extras.ops.digest.launcher import (
     ALGORITHM,
     DigestGroup,
@@ -78,86 +69,12 @@ _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
-class HeadPlacement:
-    """Which global KV heads this rank holds (tensor parallelism).
-
-    Attributes:
-        tp_rank, tp_size: this rank in its TP group.
-        total_kv_heads: the model's KV heads over all ranks (1 for MLA).
-    """
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    total_kv_heads: int = 1
-
-    @property
-    def heads_per_rank(self) -> int:
-        """Real KV heads each rank holds (vLLM: ``max(1, total // tp)``): what
-        the one head of a region cache sums over."""
-        return max(1, self.total_kv_heads // self.tp_size)
-
-    def heads(self, local: int) -> tuple[int, list[int] | None]:
-        """``(head_offset, counted_heads)`` of a cache with ``local`` heads on
-        this rank. Heads replicated over ranks (TP > KV heads) are counted on
-        their lowest replica only, so that the ranks' sums add up. vLLM gives
-        each rank one KV head wherever TP exceeds them, so the offset there is
-        that head's global index."""
-        if self.tp_size <= self.total_kv_heads:
-            return self.tp_rank * local, None
-        replicas = self.tp_size // max(self.total_kv_heads, 1)
-        return self.tp_rank // replicas, [0] if self.tp_rank % replicas == 0 else []
-
-    def view_heads(self, local: int) -> tuple[int, list[int] | None]:
-        """:meth:`heads` of a ``[B, H, N, C]`` view with ``local`` heads. A
-        group whose layers hold other KV heads than the model's total (vLLM
-        gives a rank ``max(1, heads // tp)`` of a layer's own heads; the model
-        reports one total) cannot be keyed by global head from the model's
-        count: its heads are keyed by rank instead, ``tp_rank * local + h``,
-        every rank counted, and :func:`_signature` says so, so that such sums
-        compare only between P and D at the same TP."""
-        if local != self.heads_per_rank:
-            return self.tp_rank * local, None
-        return self.heads(local)
-
-
-@dataclass(frozen=True)
 class PlannedPrompt:
     """A producer's prompt, ready to digest (:meth:`RankDigests.plan_prompts`)."""
 
     record: CheckedLoad
     segment: int
     spans: tuple[GroupSpan | None, ...]  # per digested group
-
-
-@dataclass(frozen=True)
-class PlannedLoad:
-    """A consumer's load, ready to digest and compare
-    (:meth:`RankDigests.plan_loads`); ``verdict`` is set where it cannot be
-    compared (nothing to digest)."""
-
-    record: CheckedLoad
-    verdict: str | None
-    segment: int = 0
-    segments: range = range(0)
-    spans: tuple[GroupSpan | None, ...] = ()
-    # Per digested group: the producer's sums of this rank's heads, uint64
-    # [heads, segments], and which of those heads it sent (bool [heads]);
-    # None where the producer sent none for the group.
-    theirs: tuple[tuple[np.ndarray, np.ndarray] | None, ...] = ()
-
-
-@dataclass
-class _Check:
-    """A consumer's digest of one load, on its way to the host."""
-
-    load: PlannedLoad
-    result: Any  # () -> the digester's per-group results of this request
-    event: Any  # CUDA event behind the read-back, or None
-    passes: int = 0
-
-    @property
-    def record(self) -> CheckedLoad:
-        return self.load.record
 
 
 @dataclass
@@ -191,12 +108,12 @@ class RankDigests:
             )
         self.group_ids = tuple(s.group_id for s in self._sets)
         self._block_tokens = {gid: record_block_tokens(self._sets, gid) for gid in self.group_ids}
-        self.signature = _signature(self._sets, self.placement)
+        self.signature = signature(self._sets, self.placement)
         # Loads planned at bind, until they complete (bounded: a plan that was
         # pushed out is made again at completion).
         self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
         self._digesters: dict[tuple[int, bool], KVDigester] = {}
-        self._checks: HeldChecks[_Check] = HeldChecks(self._compare)
+        self._checks: HeldChecks[LoadCheck] = HeldChecks(self._compare)
 
     def warmup(self) -> None:
         """Compile the digest kernel now (at registration, not in the first
@@ -204,7 +121,7 @@ class RankDigests:
         one binary. No cache byte is read; nothing to do off CUDA."""
         tensors = [getattr(c, "tensor", c) for s in self._sets for c in s.caches]
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-            self._digester(entry.segment_for(0), producer=False).warmup()
+            self._digester(entry_values.segment_for(0), producer=False).warmup()
 
     # -------------------------------------------------------------- producer
 
@@ -214,7 +131,7 @@ class RankDigests:
         return [
             PlannedPrompt(
                 r,
-                entry.segment_for(r.num_loaded),
+                entry_values.segment_for(r.num_loaded),
                 tuple(self._span(r, g, 0, r.num_loaded) for g in self.group_ids),
             )
             for r in records
@@ -289,7 +206,7 @@ class RankDigests:
             for i, load in enumerate(batch):
                 self._checks.hold(
                     load.record.req_id,
-                    _Check(load, functools.partial(_row, results, i), pending.event),
+                    LoadCheck(load, functools.partial(_row, results, i), pending.event),
                 )
 
     def _plan_load(self, r: CheckedLoad) -> PlannedLoad:
@@ -299,7 +216,7 @@ class RankDigests:
         if dg.algorithm != ALGORITHM or dg.signature != self.signature:
             logger.debug("kvtail: %s: digest of another algorithm or layout", r.req_id)
             return PlannedLoad(r, UNVERIFIED)
-        segments = _inside(dg.segment, expected.num_tokens, r.num_local, r.num_loaded)
+        segments = inside(dg.segment, expected.num_tokens, r.num_local, r.num_loaded)
         if not segments:
             return PlannedLoad(r, UNVERIFIED)
         n = expected.num_tokens
@@ -424,59 +341,16 @@ class RankDigests:
             return f"KV heads {first}-{first + per_rank - 1} (digested as one page)"
         return f"KV head {head}"
 
-    def _sums(self, results: Any, index: int) -> entry.Sums:
-        out: entry.Sums = {}
+    def _sums(self, results: Any, index: int) -> entry_values.Sums:
+        out: entry_values.Sums = {}
         for gid, digest in zip(self.group_ids, results()[index], strict=True):
             if digest is not None:
                 out[gid] = {h: tuple(row) for h, row in digest.by_head().items()}
         return out
 
-    def _compare(self, check: _Check) -> str:
-        """VERIFIED, MISMATCH (any compared segment differs, logged) or
-        UNVERIFIED (nothing compared, or a head of ours lacks in the
-        producer's sums and nothing differs)."""
-        load = check.load
-        record = load.record
-        lo, hi = load.segments.start, load.segments.stop
-        compared = bad = 0
-        missing = False
-        first_bad: tuple[int, int, int] | None = None
-        for gid, mine, theirs in zip(self.group_ids, check.result(), load.theirs, strict=True):
-            if mine is None or theirs is None:
-                continue
-            table, sent = theirs
-            differ = mine.sums[:, lo:hi] != table[:, lo:hi]
-            if not sent.all():  # only the heads the producer sent are compared
-                missing = True
-                differ &= sent[:, None]
-            compared += int(sent.sum()) * (hi - lo)
-            if differ.any():
-                bad += int(differ.sum())
-                if first_bad is None:
-                    k, s = np.argwhere(differ)[0]
-                    first_bad = (gid, mine.heads[int(k)], lo + int(s))
-        if first_bad is not None:
-            gid, head, s = first_bad
-            expected = record.expected
-            assert expected is not None
-            segment = load.segment
-            logger.warning(
-                "KVTailConnector: request %s: the loaded KV differs from what the producer "
-                "digested: KV cache group %d, %s, tokens [%d, %d) (%d of %d segment "
-                "sum(s) differ); reporting the load failed (kv_load_failure_policy applies)",
-                record.req_id,
-                gid,
-                self._head_name(gid, head),
-                s * segment,
-                min((s + 1) * segment, expected.num_tokens),
-                bad,
-                compared,
-            )
-            return MISMATCH
-        if missing:
-            logger.debug("kvtail: %s: the producer's digest lacks a head", record.req_id)
-            return UNVERIFIED
-        return VERIFIED if compared else UNVERIFIED
+    def _compare(self, check: LoadCheck) -> str:
+        """:func:`compare` over this rank's groups, naming heads as :meth:`_head_name` does."""
+        return compare(check, self.group_ids, self._head_name)
 
 
 def record_block_tokens(sets: Sequence[CacheSet], group: int) -> int:
@@ -485,14 +359,6 @@ def record_block_tokens(sets: Sequence[CacheSet], group: int) -> int:
         if s.group_id == group and s.caches:
             return s.pages_per_block * cache_slots(s.caches[0])
     return 0
-
-
-def _inside(segment: int, num_tokens: int, start: int, end: int) -> range:
-    """Segments of a ``num_tokens`` digest lying entirely inside ``[start, end)``."""
-    first = -(-start // segment)
-    # The last segment ends at num_tokens, every other one at a multiple of segment.
-    last = -(-num_tokens // segment) if num_tokens <= end else end // segment
-    return range(first, max(first, last))
 
 
 _MAX_PLANNED = 4096
@@ -507,25 +373,3 @@ def _by_segment(items: Iterable[_T], segment_of: Callable[[_T], int]) -> list[tu
 
 def _row(results: Any, index: int) -> Any:
     return results()[index]
-
-
-def _signature(sets: Sequence[CacheSet], placement: HeadPlacement) -> str:
-    """What the sums are keyed on, TP- and block-size-independent for
-    ``[B, H, N, C]`` views (group, layers, words per head, dtype) whose heads
-    are the model's (else the TP size and local heads too: keyed by rank, see
-    :meth:`HeadPlacement.view_heads`); for region caches the whole page
-    description and the real KV heads their one key sums over (above one, a key
-    is a TP rank's shard: equal only at equal TP)."""
-    heads_per_rank = placement.heads_per_rank
-    parts = []
-    for s in sets:
-        parts.append(f"g{s.group_id}:{len(s.caches)}")
-        for c in s.caches:
-            if isinstance(c, RegionCache):
-                regions = [(r.slot_bytes, r.first_slot, r.n_slots, r.slot_step) for r in c.regions]
-                parts.append(f"r:{c.slots_per_page}:{heads_per_rank}:{c.tensor.dtype}:{regions}")
-            else:
-                local = int(c.shape[1])
-                by_rank = f":tp{placement.tp_size}:h{local}" if local != heads_per_rank else ""
-                parts.append(f"v:{c.dtype}:{int(c.shape[3])}{by_rank}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

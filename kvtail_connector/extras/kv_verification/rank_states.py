@@ -28,7 +28,7 @@ import torch
 
 from kvtail_connector.core.kvgroups import GroupInfo, layer_spec
 from kvtail_connector.core.metadata import NULL_BLOCK
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry_values
 from kvtail_connector.extras.kv_verification.held_checks import HeldChecks
 from kvtail_connector.extras.metadata import (
     MISMATCH,
@@ -274,7 +274,7 @@ class _Resolve:
         self._host, self._event, self._index = host, event, index
         self._group_ids, self._have, self._shard = group_ids, have, shard
 
-    def __call__(self) -> entry.StateSums:
+    def __call__(self) -> entry_values.StateSums:
         if self._event is not None:
             self._event.synchronize()
         row = self._host[self._index].tolist()

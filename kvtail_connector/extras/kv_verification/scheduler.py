@@ -21,7 +21,7 @@ from kvtail_connector.core.parts.records import (
     state_loads,
 )
 from kvtail_connector.core.stats import KVTailStats
-from kvtail_connector.extras import entry
+from kvtail_connector.extras import entry_values
 from kvtail_connector.extras.entries import FinishedParams, every_rank
 from kvtail_connector.extras.metadata import (
     MISMATCH,
@@ -102,7 +102,7 @@ class VerificationScheduler:
 
     def granted(
         self, worker_meta: Any, workers: int
-    ) -> dict[str, tuple[dict[str, Any], int, entry.Digest]]:
+    ) -> dict[str, tuple[dict[str, Any], int, entry_values.Digest]]:
         """The requests finished in this call that every worker digested,
         with the summed digest; the others leave without one (their consumer
         verifies nothing)."""

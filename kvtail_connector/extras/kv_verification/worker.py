@@ -16,11 +16,8 @@ from collections.abc import Iterable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtail_connector.core.cache_sets import CacheSet
-from kvtail_connector.extras.kv_verification.rank_digests import (
-    HeadPlacement,
-    PlannedPrompt,
-    RankDigests,
-)
+from kvtail_connector.extras.kv_verification.placement import HeadPlacement
+from kvtail_connector.extras.kv_verification.rank_digests import PlannedPrompt, RankDigests
 from kvtail_connector.extras.kv_verification.rank_states import RankStates, StateSet
 from kvtail_connector.extras.metadata import CheckedLoad, DigestPart, combined_verdict
 from kvtail_connector.log import get_logger

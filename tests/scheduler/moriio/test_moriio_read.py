@@ -621,11 +621,11 @@ def test_a_vouched_read_costs_no_zeroing_launch(make_run, per_layer, vouch_tails
     # from another transfer, gets today's zeroing.
     from kvtail_connector import _compat
     from kvtail_connector.core.stats import KVTailStats
-    from kvtail_connector.extras import entry, trust
+    from kvtail_connector.extras import entry, entry_values, trust
     from tests.helpers.worker_caches import allocate, make_tail_worker
 
     kv = _mixed()
-    geometry = entry.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1)
+    geometry = entry_values.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1)
     trusted = vouch_tails == "trust" or _compat.moriio_reads_may_land_per_layer()
     for n, copied, vouched in ((100, False, trusted), (99, False, False), (100, True, False)):
         run = make_run(wrapped=True, kv_cache_config=kv, vouch_tails=vouch_tails)

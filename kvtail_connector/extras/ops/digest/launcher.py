@@ -1,4 +1,4 @@
-"""KV digest of requests' valid slots: :class:`KVDigester` and its results.
+"""KV digest of requests' valid slots: :class:`KVDigester` (its results: ``results.py``).
 
 A digest is a per (group, global KV head, token segment) sum of the
 ``mix64-1`` terms of every 32-bit word of every valid slot (the definition:
@@ -22,13 +22,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from kvtail_connector.extras.ops.digest import torch_path
+from kvtail_connector.extras.ops.digest.compiled import CompiledLaunch
 from kvtail_connector.extras.ops.digest.plan import (
     HEADER,
     MODE_VECTORS,
@@ -44,6 +44,7 @@ from kvtail_connector.extras.ops.digest.plan import (
     work_buffer,
 )
 from kvtail_connector.extras.ops.digest.reference import ALGORITHM
+from kvtail_connector.extras.ops.digest.results import DigestLayout, PendingDigest
 from kvtail_connector.ops.integers import as_int
 from kvtail_connector.ops.staging import PinnedStaging
 
@@ -51,7 +52,6 @@ __all__ = [
     "ALGORITHM",
     "DEFAULT_SEGMENT",
     "DigestGroup",
-    "GroupDigest",
     "GroupSpan",
     "KVDigester",
     "PendingDigest",
@@ -114,81 +114,6 @@ def choose_tile(rows: Sequence[Any], tile: int = TILE) -> tuple[int, int]:
         if score > best:
             best = score
     return best[3], best[2]
-
-
-@dataclass(frozen=True)
-class GroupDigest:
-    """One request's sums in one group.
-
-    Attributes:
-        heads: the global KV heads this rank counted, ascending.
-        sums: uint64 ``[len(heads), ceil(end / segment)]``; column ``s`` sums
-            tokens ``[s * segment, (s + 1) * segment)`` of the span (0 where
-            the span has none of them).
-    """
-
-    heads: tuple[int, ...]
-    sums: np.ndarray
-
-    def by_head(self) -> dict[int, list[int]]:
-        return dict(zip(self.heads, self.sums.tolist(), strict=True))
-
-
-@dataclass
-class _Layout:
-    """Where each (request, group) span's cells are in the output."""
-
-    spans: list[list[tuple[int, int, tuple[int, ...]] | None]]  # (offset, n_seg, heads)
-
-
-class PendingDigest:
-    """The sums of one :meth:`KVDigester.digest` call, on their way to the host.
-
-    ``event`` (CUDA) fires once the sums are in pinned host memory;
-    :meth:`ready` polls it, :meth:`result` waits for it.
-    """
-
-    def __init__(
-        self,
-        host: torch.Tensor,
-        event: torch.cuda.Event | None,
-        layout: _Layout,
-        launched: bool,
-    ) -> None:
-        self._host = host
-        self.event = event
-        self._layout = layout
-        self.launched = launched
-        self._result: list[list[GroupDigest | None]] | None = None
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def result(self) -> list[list[GroupDigest | None]]:
-        """Per request, per group: its :class:`GroupDigest`, or None where the
-        request had no span in the group. Waits for the event; read once
-        (later calls return the same lists, the host buffer let go)."""
-        if self._result is None:
-            self._result = self._read()
-        return self._result
-
-    def _read(self) -> list[list[GroupDigest | None]]:
-        if self.event is not None:
-            self.event.synchronize()
-        cells = self._host.numpy().view(np.uint64)
-        self._host = None  # type: ignore[assignment]
-        out: list[list[GroupDigest | None]] = []
-        for spans in self._layout.spans:
-            row: list[GroupDigest | None] = []
-            for span in spans:
-                if span is None:
-                    row.append(None)
-                    continue
-                offset, n_seg, heads = span
-                sums = cells[offset : offset + len(heads) * n_seg].reshape(len(heads), n_seg)
-                row.append(GroupDigest(heads, sums.copy()))
-            out.append(row)
-        return out
 
 
 class KVDigester:
@@ -295,7 +220,7 @@ class KVDigester:
             self._programs = _sm_count(index) * programs_per_sm
         self._rows: torch.Tensor | None = None
         self._staging: PinnedStaging | None = None
-        self._compiled: _CompiledLaunch | None = None
+        self._compiled: CompiledLaunch | None = None
         if implementation == "triton":
             self._rows = torch.from_numpy(row_table(all_rows)).to(self.device)
             if self.device.type == "cuda":
@@ -354,7 +279,7 @@ class KVDigester:
 
     def _plan(
         self, requests: Sequence[Sequence[GroupSpan | None]]
-    ) -> tuple[_Layout, list[KindPlan], int, int]:
+    ) -> tuple[DigestLayout, list[KindPlan], int, int]:
         """Per request and group: a range, a table slice, where its cells are;
         and the launch's tokens times rows."""
         if isinstance(requests, GroupSpan) or not isinstance(requests, Sequence):
@@ -391,7 +316,7 @@ class KVDigester:
                     row_tokens += (end - start) * len(group.rows)
                 n_cells += len(group.heads) * n_seg
             spans.append(row)
-        return _Layout(spans), [k for k in kinds if k.requests], n_cells, row_tokens
+        return DigestLayout(spans), [k for k in kinds if k.requests], n_cells, row_tokens
 
     def _constexprs(self) -> dict[str, Any]:
         slots, words = self.tile
@@ -416,7 +341,7 @@ class KVDigester:
             )
             return
         if self._compiled is None:
-            self._compiled = _CompiledLaunch(
+            self._compiled = CompiledLaunch(
                 kv_digest_kernel,
                 work,
                 self._rows,
@@ -424,54 +349,6 @@ class KVDigester:
                 {"num_warps": self.num_warps, **self._launch_options},
             )
         self._compiled(grid, work, self._rows)
-
-
-class _CompiledLaunch:
-    """The kernel compiled once for a digester, launched without re-binding.
-
-    ``JITFunction.__getitem__`` re-derives the specialization key on every
-    launch (~10 µs of host time); the work buffer (a fresh staging
-    allocation) and the row table are always 16-byte aligned and no integer
-    argument is specialized, so one binary serves every launch. Falls back to
-    the JIT launch where this Triton's compiled-kernel launcher takes other
-    arguments (as ``ops/zero/launcher.py`` does).
-    """
-
-    def __init__(
-        self,
-        kernel: Any,
-        work: torch.Tensor,
-        rows: Any,
-        constexprs: dict[str, Any],
-        options: dict[str, Any],
-    ) -> None:
-        self._kernel, self._constexprs, self._options = kernel, constexprs, options
-        self._args = [constexprs[name] for name in kernel.arg_names[2:]]
-        self._runners: dict[int, Any] = {}
-        self._fast: Any = None
-        try:
-            compiled = kernel.warmup(work, rows, grid=(1,), **constexprs, **options)
-            runner = compiled[(1, 1, 1)]
-            empty = torch.zeros(HEADER, dtype=torch.int64, device=work.device)
-            empty[2] = HEADER  # no kinds, no units: reads nothing
-            runner(empty, rows, *self._args)
-            self._fast = compiled
-            self._runners[1] = runner
-        except Exception:  # noqa: BLE001 - any launcher mismatch means: use the JIT path
-            self._fast = None
-
-    @property
-    def fast(self) -> bool:
-        return self._fast is not None
-
-    def __call__(self, grid: int, work: torch.Tensor, rows: Any) -> None:
-        if self._fast is None:
-            self._kernel[(grid,)](work, rows, **self._constexprs, **self._options)
-            return
-        runner = self._runners.get(grid)
-        if runner is None:
-            runner = self._runners[grid] = self._fast[(grid, 1, 1)]
-        runner(work, rows, *self._args)
 
 
 def _tensors(caches: Sequence[Any]) -> list[torch.Tensor]:

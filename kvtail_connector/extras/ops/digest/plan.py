@@ -28,7 +28,7 @@ from kvtail_connector.ops.integers import as_int, int_rows
 
 CacheLike = torch.Tensor | RegionCache
 
-# Work buffer layout (must match ops/digest/kernel.py).
+# Work buffer layout (must match ops/digest/kernel.py; the modes, ops/digest/loads.py).
 HEADER = 8
 KIND_COLS = 16
 REQ_COLS = 8

@@ -7,7 +7,7 @@ built by ``ops/state_digest/launcher.py``.
 import triton
 import triton.language as tl
 
-from kvtail_connector.extras.ops.digest.kernel import WORD_MUL, fmix64
+from kvtail_connector.extras.ops.digest.mix64 import WORD_MUL, fmix64
 
 # Table layouts (must match ops/state_digest/launcher.py).
 ROW_COLS: tl.constexpr = tl.constexpr(4)
