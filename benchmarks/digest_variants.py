@@ -24,7 +24,7 @@ Per case, measured in the same run:
   default's against the torch path on a small request.
 
 The default (``KVDigester`` with no knobs) is the first row; the lead sets
-the winner in ``kvtail_connector/ops/digest/launcher.py`` (``CHUNK_TOKENS``,
+the winner in ``kvtail_connector/extras/ops/digest/launcher.py`` (``CHUNK_TOKENS``,
 ``NUM_WARPS``, ``PROGRAMS_PER_SM``, ``MAX_REGISTERS``, ``NUM_STAGES``,
 ``STREAM``, or ``choose_tile``).
 """
