@@ -37,8 +37,11 @@ _FIELD_HELP = {
     "entry_key_env": "the NAME of an environment variable holding the shared key (never the "
     "key itself), e.g. KVTAIL_ENTRY_KEY",
     "verify_kv": 'one of "off", "digest" (producers send a digest of each remote-decode '
-    "prompt's KV, consumers check what they loaded and report a mismatch as a failed load) "
-    'or "auto" (digest wherever it can work, off elsewhere)',
+    "prompt's KV, consumers check what they loaded and report a mismatch as a failed load), "
+    '"auto" (digest wherever it can work, off elsewhere) or "sample" (as "auto", producers '
+    "digesting one remote-decode request in every verify_kv_every)",
+    "verify_kv_every": "an integer from 1 to 1024 (how many remote-decode requests a producer "
+    'serves per digested one under verify_kv "sample")',
 }
 
 
@@ -101,9 +104,17 @@ class KVTailConfig(BaseModel):
             :func:`~kvtail_connector.core.policy.resolve_policy`). ``auto``: the
             same wherever it can work, off elsewhere (the start-up INFO line
             says why); a load that comes with no digest is counted in
-            ``digests_skipped``. ``off`` (the default): neither; the digest
-            still costs more than the project's budget for a default
-            (benchmarks/RESULTS.md §6).
+            ``digests_skipped``. ``sample``: as ``auto``, but a producer
+            digests one remote-decode request in every ``verify_kv_every`` it
+            serves (the first of each run of that many, counted by the
+            producer alone: no request can opt in or out), so a fault that hits
+            every transfer is caught within that many requests; a consumer
+            checks every load that comes with a digest. ``off`` (the default):
+            neither; the digest of every request costs more than the project's
+            budget for a default (benchmarks/RESULTS.md §6).
+        verify_kv_every: with ``verify_kv: sample``, how many remote-decode
+            requests a producer serves per digested one (1 to 1024; 32 by
+            default). Ignored by the other settings, which digest every request.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -116,7 +127,8 @@ class KVTailConfig(BaseModel):
     probe_stale_tails: StrictBool = False
     vouch_tails: Literal["auto", "trust", "off"] = "auto"
     entry_key_env: str | None = None
-    verify_kv: Literal["off", "digest", "auto"] = "off"
+    verify_kv: Literal["off", "digest", "auto", "sample"] = "off"
+    verify_kv_every: int = Field(default=32, ge=1, le=1024, strict=True)
 
     @field_validator("backend", "backend_module_path")
     @classmethod

@@ -81,6 +81,7 @@ class TailPolicy:
     digests_prompts: bool = False
     verifies_loads: bool = False
     verify_kv_off: str | None = None
+    digest_every: int = 1
 
     @property
     def needs_caches(self) -> bool:
@@ -172,7 +173,7 @@ def _digest_duties(
             "(a drafter writes draft KV past the prompt after the forward)"
         )
     if refusal is not None:
-        if cfg.verify_kv == "auto":
+        if cfg.verify_kv in ("auto", "sample"):
             # On wherever it can work, off elsewhere (the start-up line says why).
             return False, False, refusal
         raise ValueError(
@@ -259,7 +260,7 @@ def resolve_policy(
     without_extras = None
     if not extras_installed:
         _refuse_without_extras(cfg)
-        if cfg.verify_kv == "auto":
+        if cfg.verify_kv in ("auto", "sample"):
             without_extras = "kvtail_connector/extras is not installed"
         cfg = cfg.model_copy(update={"vouch_tails": "off", "verify_kv": "off"})
     zero = cfg.zero_tails == "always" or (cfg.zero_tails == "auto" and needs_zeroing)
@@ -321,4 +322,5 @@ def resolve_policy(
         digests_prompts=digest,
         verifies_loads=verify,
         verify_kv_off=verify_off or without_extras,
+        digest_every=cfg.verify_kv_every if cfg.verify_kv == "sample" else 1,
     )

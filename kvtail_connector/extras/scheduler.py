@@ -81,7 +81,12 @@ class EntryFeatures:
             else None
         )
         self._verify = (
-            VerificationScheduler(records, stats, digests_prompts=policy.digests_prompts)
+            VerificationScheduler(
+                records,
+                stats,
+                digests_prompts=policy.digests_prompts,
+                digest_every=policy.digest_every,
+            )
             if policy.digests_prompts or policy.verifies_loads
             else None
         )

@@ -376,7 +376,8 @@ def _vouch_summary(policy: TailPolicy, trust_would_vouch: bool) -> str:
 def _verify_summary(policy: TailPolicy) -> str:
     parts = []
     if policy.digests_prompts:
-        parts.append(f"digesting remote-decode prompts (in {policy.producer_hook})")
+        every = "" if policy.digest_every == 1 else f" one in {policy.digest_every}"
+        parts.append(f"digesting remote-decode prompts{every} (in {policy.producer_hook})")
     if policy.verifies_loads:
         parts.append("verifying loads against the producer's digest")
     if policy.verify_kv_off is not None:

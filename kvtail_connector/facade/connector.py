@@ -26,7 +26,6 @@ from kvtail_connector.core.containment import Containment, safe_ids
 from kvtail_connector.core.metadata import KVTailMetadata, KVTailWorkerMeta
 from kvtail_connector.core.stats import KVTailStats, connector_path
 from kvtail_connector.facade.assembly import assemble
-from kvtail_connector.facade.forwarding import ForwardingConnector
 from kvtail_connector.facade.inner import resolve
 from kvtail_connector.facade.prom import KVTailPromMetrics
 from kvtail_connector.facade.worker_hooks import WorkerHooks
@@ -73,7 +72,7 @@ OWN_ANSWERS: dict[str, str] = {
 }
 
 
-class KVTailConnector(WorkerHooks, ForwardingConnector, SupportsHMA):
+class KVTailConnector(WorkerHooks, SupportsHMA):
     """Wraps the connector named in ``kv_connector_extra_config.backend``.
 
     See :class:`~kvtail_connector.config.KVTailConfig` for the settings.

@@ -129,6 +129,26 @@ def test_with_verify_kv_off_the_producer_sends_no_digest():
     assert p.stats["digests_sent"] == 0
 
 
+def test_a_sampling_producer_digests_the_first_of_every_n_prefill_legs_by_arrival_alone():
+    # verify_kv "sample": which requests are digested is P's decision alone,
+    # by arrival order (one in every 4 here), whatever a request's params
+    # or prompt: the same positions on two producers serving different requests.
+    digested = []
+    for lengths in ((37, 37, 37, 37, 37, 37, 37, 37, 37), (20, 50, 37, 64, 5, 40, 33, 17, 90)):
+        p = Harness("always", kv_role="kv_producer", verify_kv="sample", verify_kv_every=4)
+        fill(p, seed=4)
+        sent_dg = []
+        for i, n in enumerate(lengths):
+            params = prefill(p, f"r{i}-{n}", n)
+            found = entry.read(params).entry if entry.KEY in params else None
+            sent_dg.append(found is not None and found.digest is not None)
+        digested.append([i for i, dg in enumerate(sent_dg) if dg])
+        assert p.stats["digests_sent"] == 3
+        assert p.worker.scheduler_state_is_empty()
+        assert p.scheduler.connector.scheduler_state_is_empty()
+    assert digested == [[0, 4, 8], [0, 4, 8]]
+
+
 # ------------------------------------------------------------------ consumer
 
 

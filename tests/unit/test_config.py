@@ -81,6 +81,14 @@ def test_frozen_and_user_dict_untouched():
             {"backend": "NixlConnector", "backend_extra_config": [1]},
             ["kv_connector_extra_config.backend_extra_config", "JSON object"],
         ),
+        (
+            {"backend": "NixlConnector", "verify_kv": "sample", "verify_kv_every": 0},
+            ["kv_connector_extra_config.verify_kv_every", "an integer from 1 to 1024"],
+        ),
+        (
+            {"backend": "NixlConnector", "verify_kv_every": "32"},
+            ['kv_connector_extra_config.verify_kv_every: got "32"', "an integer from 1 to 1024"],
+        ),
         ("oops", ["kv_connector_extra_config: expected a JSON object"]),
     ],
 )

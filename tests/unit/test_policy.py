@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -253,6 +254,31 @@ def test_verify_kv_auto_is_digest_wherever_digest_works():
         auto, digest = _verify("auto", **facts), _verify("digest", **facts)
         assert auto == digest, facts
         assert auto.verify_kv_off is None
+
+
+def test_verify_kv_sample_is_auto_digesting_one_in_every_n():
+    cfg = dict(backend="NixlConnector", zero_tails="auto", verify_kv="sample")
+    args = dict.fromkeys(FACTS, False)
+    args.update(carries_producer_tail=True, producer_hook="wait_for_save")
+    for facts in (
+        {"is_producer": True},
+        {"is_consumer": True},
+        {"is_producer": True, "is_consumer": True},
+        {"is_producer": True, "carries_producer_tail": False},  # refused by digest: off here
+        {"is_consumer": True, "dcp_world_size": 2},
+    ):
+        for every in (1, 7, 32):
+            sample = resolve_policy(KVTailConfig(**cfg, verify_kv_every=every), **{**args, **facts})
+            auto = _verify("auto", **facts)
+            assert dataclasses.replace(sample, digest_every=1) == auto, facts
+            assert sample.digest_every == every
+    # The other settings digest every request, whatever verify_kv_every says.
+    for setting in ("auto", "digest"):
+        policy = resolve_policy(
+            KVTailConfig(**{**cfg, "verify_kv": setting}, verify_kv_every=7),
+            **{**args, "is_producer": True},
+        )
+        assert policy.digest_every == 1
 
 
 def test_a_kv_both_engine_with_a_drafter_verifies_what_it_loads_and_digests_nothing():

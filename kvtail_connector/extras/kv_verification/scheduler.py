@@ -42,12 +42,24 @@ class VerificationScheduler:
         records: the record builder (groups).
         stats: the counters this side reports.
         digests_prompts: this engine digests its remote-decode prompts.
+        digest_every: one of every this many of them (``verify_kv: sample``).
     """
 
-    def __init__(self, records: LoadRecords, stats: KVTailStats, *, digests_prompts: bool) -> None:
+    def __init__(
+        self,
+        records: LoadRecords,
+        stats: KVTailStats,
+        *,
+        digests_prompts: bool,
+        digest_every: int = 1,
+    ) -> None:
         self._records = records
         self._stats = stats
         self._digest = digests_prompts
+        # Decided here alone, by arrival order: the first of each run of
+        # ``digest_every`` prefill legs, whatever their params say.
+        self._every = digest_every
+        self._legs_seen = 0
         self._producing: dict[str, Any] = {}
         self._digesting: dict[str, int] = {}  # prompt length of those shipped
         self._finished = FinishedParams()
@@ -58,7 +70,11 @@ class VerificationScheduler:
     # -------------------------------------------------------------- producer
 
     def on_new_request(self, request: Any) -> None:
-        if self._digest and is_prefill_leg(request):
+        if not (self._digest and is_prefill_leg(request)):
+            return
+        sampled = self._legs_seen % self._every == 0
+        self._legs_seen += 1
+        if sampled:
             self._producing[request.request_id] = request
 
     def digest_records(self, scheduler_output: Any, manager: Any) -> tuple[CheckedLoad, ...]:
