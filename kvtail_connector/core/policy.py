@@ -96,6 +96,17 @@ class TailPolicy:
         )
 
     @property
+    def runs_extras(self) -> bool:
+        """Whether an opt-in feature is on (producer claims, KV verification):
+        the assembly then wires in ``kvtail_connector.extras`` on either side."""
+        return (
+            self.vouches_for_tails
+            or self.checks_claims
+            or self.digests_prompts
+            or self.verifies_loads
+        )
+
+    @property
     def trusts_some_claim(self) -> bool:
         """Some claim can make this consumer skip a zeroing."""
         return self.trusts_load_claims or self.trusts_read_claims

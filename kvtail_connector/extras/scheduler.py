@@ -99,16 +99,6 @@ class EntryFeatures:
         self._vouched: set[str] = set()
         self._checks: dict[str, LoadCheck] = {}
 
-    @staticmethod
-    def needed(policy: TailPolicy) -> bool:
-        """Whether ``policy`` turns on anything this extra does."""
-        return (
-            policy.vouches_for_tails
-            or policy.digests_prompts
-            or policy.checks_claims
-            or policy.verifies_loads
-        )
-
     # ----------------------------------------------------------- producer
 
     def on_new_request(self, request: Any) -> None:
@@ -119,12 +109,7 @@ class EntryFeatures:
 
     def step_payload(self, scheduler_output: Any, manager: Any) -> EntryStep | None:
         vouching, digesting = self._vouching, self._digesting
-        # Params left by an update_from_output that had no connector output:
-        # they have left the engine; no entry is added to them after that.
-        if vouching is not None:
-            vouching.drop_provisional()
-        if digesting is not None:
-            digesting.drop_provisional()
+        self._drop_provisional()
         vouched, self._vouched = self._vouched, set()
         checks, self._checks = self._checks, {}
         step = EntryStep(
@@ -243,24 +228,24 @@ class EntryFeatures:
     def contain_meta(self) -> None:
         self._vouched = set()
         self._checks = {}
-        # As step_payload would have first: params left by an
-        # update_from_output without connector output have left the engine.
-        if self._vouching is not None:
-            self._vouching.drop_provisional()
-        if self._digesting is not None:
-            self._digesting.drop_provisional()
+        self._drop_provisional()  # as step_payload would have
 
     def contain_output(self, connector_output: Any) -> None:
-        if self._vouching is not None:
-            self._vouching.drop_provisional()
-        if self._digesting is not None:
-            self._digesting.drop_provisional()
+        self._drop_provisional()
         finished = tuple(connector_output.finished_recving or ())
         if self._verify is not None:
             for req_id in finished:
                 self._verify.load_finished(req_id)
         if self._claims is not None:
             self._claims.loads_finished(finished)
+
+    def _drop_provisional(self) -> None:
+        """Params left by an update_from_output that had no connector output
+        have left the engine: no entry is added to them after that."""
+        if self._vouching is not None:
+            self._vouching.drop_provisional()
+        if self._digesting is not None:
+            self._digesting.drop_provisional()
 
     def forget(self, req_id: str) -> None:
         if self._reader is not None:

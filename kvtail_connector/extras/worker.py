@@ -61,16 +61,6 @@ class EntryFeaturesWorker:
         # READ loads bound whose tail a claim covers (taken when they start).
         self._vouched_reads: set[str] = set()
 
-    @staticmethod
-    def needed(policy: TailPolicy) -> bool:
-        """Whether ``policy`` turns on anything this extra does on a worker."""
-        return (
-            policy.vouches_for_tails
-            or policy.checks_claims
-            or policy.digests_prompts
-            or policy.verifies_loads
-        )
-
     # ------------------------------------------------------------ lifecycle
 
     def register(

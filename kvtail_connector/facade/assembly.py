@@ -238,7 +238,7 @@ def _one_side(
             _scheduler_extra(
                 vllm_config, kv_cache_config, groups, dcp_world, records, policy, stats, entry_key
             )
-            if needs_extra(policy)
+            if policy.runs_extras
             else None
         )
         scheduler = TailScheduler(
@@ -268,16 +268,6 @@ def _one_side(
 def extras_installed() -> bool:
     """Whether this package holds the opt-in features (``kvtail_connector.extras``)."""
     return importlib.util.find_spec("kvtail_connector.extras") is not None
-
-
-def needs_extra(policy: TailPolicy) -> bool:
-    """Whether ``policy`` turns on an opt-in feature (producer claims, KV verification)."""
-    return (
-        policy.vouches_for_tails
-        or policy.checks_claims
-        or policy.digests_prompts
-        or policy.verifies_loads
-    )
 
 
 def _entry_key(cfg: KVTailConfig) -> bytes | None:
@@ -336,7 +326,7 @@ def build_worker(
     turns one on (``heads``: this rank's ``(tp_rank, tp_size, num_kv_heads)``,
     for ``verify_kv``)."""
     make_extra = None
-    if needs_extra(policy):
+    if policy.runs_extras:
         from kvtail_connector.extras.kv_verification.placement import HeadPlacement
         from kvtail_connector.extras.worker import EntryFeaturesWorker
 

@@ -57,7 +57,7 @@ def _scheduler(policy: TailPolicy) -> TailScheduler:
             stats,
             geometry=entry_values.geometry([g.kv_cache_spec for g in kv.kv_cache_groups], 1, 1),
         )
-        if EntryFeatures.needed(policy)
+        if policy.runs_extras
         else None
     )
     return TailScheduler(

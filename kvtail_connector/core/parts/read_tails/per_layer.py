@@ -11,7 +11,7 @@ builds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +22,7 @@ from kvtail_connector.core.parts.read_tails.by_layer import LayerWork, ReadTails
 from kvtail_connector.core.parts.read_tails.on_reference import ReferenceLayers
 from kvtail_connector.core.parts.zeroing import RankCaches
 from kvtail_connector.core.probe import probe_items
-from kvtail_connector.log import get_logger
+from kvtail_connector.log import get_logger, request_names
 from kvtail_connector.ops import reference_zero_kv_blocks
 
 logger = get_logger(__name__)
@@ -89,7 +89,7 @@ class PerLayerReadTails:
             # wipe KV written since.
             logger.error(
                 "KVTailConnector: READ tails of %s left stale (their step ended early)",
-                _names(self._on_reference.owners),
+                request_names(self._on_reference.owners),
             )
             self._on_reference.clear()
 
@@ -117,10 +117,12 @@ class PerLayerReadTails:
             self._on_reference.clear()
             logger.error(
                 "KVTailConnector: READ tails of %s not zeroed (reads not landed yet)",
-                _names(r.req_id for r in records),
+                request_names(r.req_id for r in records),
             )
             raise
-        self._warn_reference(_names(r.req_id for r in records), "each layer once its READs land")
+        self._warn_reference(
+            request_names(r.req_id for r in records), "each layer once its READs land"
+        )
 
     def layer_loaded(self, layer_name: str) -> None:
         """``wait_for_layer_load(layer_name)`` returned: that layer's READs have
@@ -261,7 +263,9 @@ class PerLayerReadTails:
             zero()
         except Exception:
             logger.error(
-                "KVTailConnector: READ tails of %s may be left stale (%s)", _names(owners), where
+                "KVTailConnector: READ tails of %s may be left stale (%s)",
+                request_names(owners),
+                where,
             )
             raise
         finally:
@@ -302,11 +306,6 @@ class PerLayerReadTails:
         return waiting_layers + self._on_reference.num_pending
 
 
-def _names(req_ids: Iterable[str]) -> str:
-    """Request ids for a log line, in a stable order."""
-    return ", ".join(sorted(set(req_ids)))
-
-
 def _owners(works: list[LayerWork]) -> str:
     """The requests whose READ tails ``works`` zero, for a log line."""
-    return _names(owner for work in works for owner in work.armed.owners)
+    return request_names(owner for work in works for owner in work.armed.owners)

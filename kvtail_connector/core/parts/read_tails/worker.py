@@ -17,7 +17,7 @@ from kvtail_connector.core.extension import WorkerExtra
 from kvtail_connector.core.metadata import LoadRecord
 from kvtail_connector.core.parts.read_tails.per_layer import PerLayerReadTails
 from kvtail_connector.core.parts.zeroing import RankCaches
-from kvtail_connector.log import get_logger
+from kvtail_connector.log import get_logger, request_names
 from kvtail_connector.ops import reference_zero_kv_blocks
 
 logger = get_logger(__name__)
@@ -136,7 +136,7 @@ class ReadTailsWorker:
         if rank.released:
             logger.error(
                 "KVTailConnector: READ tails of %s not zeroed (the KV cache is released)",
-                _names(r.req_id for r in records),
+                request_names(r.req_id for r in records),
             )
             return
         if not landed and per_layer is not None and per_layer.ready:
@@ -162,7 +162,7 @@ class ReadTailsWorker:
             if done < len(records):
                 logger.error(
                     "KVTailConnector: READ tails of %s may be left stale",
-                    _names(r.req_id for r in records[done:]),
+                    request_names(r.req_id for r in records[done:]),
                 )
 
     def contain_layer_loaded(self) -> None:
@@ -185,8 +185,3 @@ class ReadTailsWorker:
     def num_tracked(self) -> int:
         pending = self._per_layer.num_pending if self._per_layer is not None else 0
         return len(self._read_loads) + pending
-
-
-def _names(req_ids: Iterable[str]) -> str:
-    """Request ids for a log line, in a stable order."""
-    return ", ".join(sorted(set(req_ids)))
