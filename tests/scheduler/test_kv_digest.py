@@ -56,9 +56,12 @@ def finished(engine_outputs: dict[int, Any]) -> dict[str, Any]:
     }
 
 
-def prefill(h: Harness, req_id: str = "p1", num_tokens: int = PROMPT) -> dict[str, Any]:
-    """P's prefill leg; the params it returns (the entry added in place)."""
-    h.add(req_id, num_tokens, max_tokens=1, do_remote_decode=True)
+def prefill(
+    h: Harness, req_id: str = "p1", num_tokens: int = PROMPT, **params: Any
+) -> dict[str, Any]:
+    """P's prefill leg (``params``: what the client adds to its
+    ``kv_transfer_params``); the params it returns (the entry added in place)."""
+    h.add(req_id, num_tokens, max_tokens=1, do_remote_decode=True, **params)
     _, outputs = run_step(h.scheduler, h.worker)
     params = finished(outputs)[req_id].kv_transfer_params
     h.scheduler.schedule()
@@ -132,14 +135,21 @@ def test_with_verify_kv_off_the_producer_sends_no_digest():
 def test_a_sampling_producer_digests_the_first_of_every_n_prefill_legs_by_arrival_alone():
     # verify_kv "sample": which requests are digested is P's decision alone,
     # by arrival order (one in every 4 here), whatever a request's params
-    # or prompt: the same positions on two producers serving different requests.
+    # or prompt: the same positions on two producers serving different
+    # requests, the second's clients asking to be digested (a forged entry)
+    # or to be left out.
+    ask_in = {entry.KEY: {"v": 2, "n": 5, "dg": "please"}, "verify_kv": "digest"}
+    ask_out = {"verify_kv": "off", "verify_kv_every": 1000}
     digested = []
-    for lengths in ((37, 37, 37, 37, 37, 37, 37, 37, 37), (20, 50, 37, 64, 5, 40, 33, 17, 90)):
+    for lengths, steer in (
+        ((37,) * 9, lambda i: {}),
+        ((20, 50, 37, 64, 5, 40, 33, 17, 90), lambda i: ask_out if i % 4 == 0 else ask_in),
+    ):
         p = Harness("always", kv_role="kv_producer", verify_kv="sample", verify_kv_every=4)
         fill(p, seed=4)
         sent_dg = []
         for i, n in enumerate(lengths):
-            params = prefill(p, f"r{i}-{n}", n)
+            params = prefill(p, f"r{i}-{n}", n, **steer(i))
             found = entry.read(params).entry if entry.KEY in params else None
             sent_dg.append(found is not None and found.digest is not None)
         digested.append([i for i, dg in enumerate(sent_dg) if dg])
