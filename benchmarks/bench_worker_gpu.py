@@ -356,6 +356,38 @@ def digest_rows(
     return rows
 
 
+def unsampled_rows(reps: int, layers: int = 80, num_blocks: int = 1024) -> list[dict]:
+    """``verify_kv: sample``: what a step with no sampled request pays. The same
+    worker work with the digest wired in (sampling on) and without (``off``),
+    alternating in each rep. P: bind + hook + worker metadata of a step whose
+    metadata carries nothing for the extras (the scheduler sends ``extra=None``
+    then). D: 16 loads complete, none carrying a digest (bind + completion)."""
+    wired = build_worker(layers, num_blocks, digest=True)
+    plain = build_worker(layers, num_blocks, digest=False)
+    p_meta = KVTailMetadata(inner=None)  # type: ignore[arg-type]
+    loads = records(16, num_blocks)
+    d_meta = KVTailMetadata(inner=None, loads=loads)  # type: ignore[arg-type]
+    done = KVConnectorTransferResults(finished_recving={r.req_id for r in loads})
+
+    def producer(worker):
+        worker.bind(p_meta)
+        worker.produce()
+        worker.worker_meta(None)
+
+    def consumer(worker):
+        worker.bind(d_meta)
+        worker.transfer_results(done, set(), _NoLoadErrors())
+        worker.worker_meta(None)
+
+    rows = []
+    for side, fn in (("P: producer step", producer), ("D: 16 loads complete", consumer)):
+        for w in (wired, plain):
+            fn(w)
+        on, off = host_time_vs_bare(lambda fn=fn: fn(wired), lambda fn=fn: fn(plain), reps)
+        rows.append(dict(side=side, wired_us=on, plain_us=off))
+    return rows
+
+
 def completion_rows(
     reps: int,
     bare,
@@ -554,6 +586,17 @@ def main() -> int:
             f"{r['p_with_read_us']:.1f} | {r['p_device_us']:.1f} | {r['d_launch_us']:.1f} | "
             f"{r['d_host_us']:.1f} | {r['d_device_us']:.1f} |"
         )
+    unsampled = unsampled_rows(args.reps)
+    print()
+    print("verify_kv: sample, a step with no sampled request: the digest wired in against off")
+    print("(host, alternating in each rep)")
+    print("| step | sample µs | off µs | added µs |")
+    print("|---|---:|---:|---:|")
+    for r in unsampled:
+        print(
+            f"| {r['side']} | {r['wired_us']:.1f} | {r['plain_us']:.1f} | "
+            f"{r['wired_us'] - r['plain_us']:.1f} |"
+        )
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -564,6 +607,7 @@ def main() -> int:
                     read_rows=read_rows,
                     producer=producer,
                     digest=digest,
+                    unsampled=unsampled,
                 ),
                 indent=1,
             )

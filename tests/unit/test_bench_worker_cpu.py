@@ -6,8 +6,8 @@ and every path it measures must run without any other vLLM code. A fresh
 interpreter with vLLM hidden imports the benchmark and runs those paths on CPU
 caches (small pages; this checks the paths, not their speed): main()'s
 completion (the stale slots checked byte for byte), the MoRIIO READ tails, the
-producer step and the digest round (the benchmark asserts P's and D's digests
-match).
+producer step, the digest round (the benchmark asserts P's and D's digests
+match) and the unsampled step with and without the digest wired in.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ rows = {
     "completion": bench.completion_rows(
         1, bare, layer_counts=(2,), num_blocks=64, sizes=(0, 1, 3)
     ),
+    "unsampled": bench.unsampled_rows(1, layers=2, num_blocks=64),
 }
 print(json.dumps(dict(
     stood_in=bench.VLLM_STOOD_IN,
@@ -113,8 +114,15 @@ def test_bench_worker_gpu_runs_without_vllm() -> None:
     assert out["asked"] == ["vllm"]
     assert out["zeroed"] == ["r0", "r1", "r2"]
     assert out["bytes_as_expected"]
-    # Two READ sizes x three paths; two producer sizes; the two digest sizes.
-    assert out["rows"] == {"read": 6, "producer": 2, "digest": 2, "completion": 3}
+    # Two READ sizes x three paths; two producer sizes; the two digest sizes; the
+    # unsampled producer step and consumer completion.
+    assert out["rows"] == {
+        "read": 6,
+        "producer": 2,
+        "digest": 2,
+        "completion": 3,
+        "unsampled": 2,
+    }
     # Each ratio's bare launch is timed beside its row: one per READ row, two per
     # producer row (the hook, the whole step), one per completion row.
     assert out["bare_launches"] == 6 + 2 * 2 + 3 and out["ratios_have_a_bare"]
