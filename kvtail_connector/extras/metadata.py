@@ -253,6 +253,9 @@ class EntryReport:
     verdicts: dict[str, str] = field(default_factory=dict)
     false_vouches: frozenset[str] = frozenset()
 
+    def __bool__(self) -> bool:
+        return bool(self.confirmed or self.digests or self.verdicts or self.false_vouches)
+
     def aggregate(self, other: EntryReport) -> EntryReport:
         confirmed = dict(self.confirmed)
         for req_id, ranks in other.confirmed.items():

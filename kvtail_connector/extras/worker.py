@@ -90,8 +90,13 @@ class EntryFeaturesWorker:
         step = payload if isinstance(payload, EntryStep) else _NO_STEP
         if self._claims is not None:
             self._claims.bind(step.producer_tails)
-        checked = []
-        acting = set()
+        checked: list[CheckedLoad] = []
+        acting: set[str] = set()
+        if not (step.vouched or step.checks or self._vouched or self._checks):
+            # The usual step under sampling: no load of it is vouched for or
+            # checked, and no earlier mark can be replaced (bench_worker_gpu.py,
+            # "a step with no sampled request").
+            loads = ()
         for record in loads:
             req_id = record.req_id
             # A new load of a reused id replaces the old one.
@@ -108,7 +113,7 @@ class EntryFeaturesWorker:
                 acting.add(req_id)
         if step.vouched and read_loads:
             self._vouched_reads |= step.vouched & {r.req_id for r in read_loads}
-        if self._verify is not None:
+        if self._verify is not None and (step.producer_digests or checked):
             self._verify.bind(step.producer_digests, checked)
         return acting
 
@@ -169,15 +174,18 @@ class EntryFeaturesWorker:
 
     # ------------------------------------------------------------ reporting
 
-    def report(self) -> EntryReport:
+    def report(self) -> EntryReport | None:
+        """None on a step with nothing to report (the usual one): the scheduler
+        reads a missing report as an empty one (``report_of``)."""
         claims, verify = self._claims, self._verify
         zeroed = claims.take_zeroed() if claims is not None else []
-        return EntryReport(
+        report = EntryReport(
             confirmed=dict.fromkeys(zeroed, self._ranks),
             digests=verify.take_parts() if verify is not None else {},
             verdicts=verify.take_verdicts() if verify is not None else {},
             false_vouches=claims.take_false_vouches() if claims is not None else frozenset(),
         )
+        return report if report else None
 
     def drop(self) -> None:
         if self._claims is not None:
