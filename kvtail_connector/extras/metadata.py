@@ -177,6 +177,14 @@ VERIFIED, MISMATCH, UNVERIFIED = "verified", "mismatch", "unverified"
 _VERDICT_RANK = {UNVERIFIED: 0, VERIFIED: 1, MISMATCH: 2}
 
 
+class Compared(NamedTuple):
+    """A rank's verdict on one load and, for a mismatch, what differs (the
+    first differing segment or state, for the scheduler's one log line)."""
+
+    verdict: str
+    differs: str = ""
+
+
 def combined_verdict(a: str, b: str) -> str:
     """Any rank's mismatch wins; one rank that compared anything verifies."""
     return a if _VERDICT_RANK[a] >= _VERDICT_RANK[b] else b
@@ -246,12 +254,16 @@ class EntryReport:
             (consumer): :data:`MISMATCH` if any rank did.
         false_vouches: requests whose vouched tail a rank's probe found
             non-zero this step (consumer): counted once on the scheduler side.
+        differs: request id -> what differs in its load, as the first rank
+            that found a mismatch saw it (consumer; logged once per request by
+            the scheduler side).
     """
 
     confirmed: dict[str, frozenset[int]] = field(default_factory=dict)
     digests: dict[str, DigestPart] = field(default_factory=dict)
     verdicts: dict[str, str] = field(default_factory=dict)
     false_vouches: frozenset[str] = frozenset()
+    differs: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.confirmed or self.digests or self.verdicts or self.false_vouches)
@@ -273,6 +285,7 @@ class EntryReport:
             digests=digests,
             verdicts=verdicts,
             false_vouches=self.false_vouches | other.false_vouches,
+            differs={**other.differs, **self.differs},
         )
 
 

@@ -164,10 +164,11 @@ class EntryFeatures:
             and claims.used(request, claim, record, policy.trusts_load_claims)
         ):
             self._vouched.add(record.req_id)
-        if expected is not None:
+        if expected is not None and verify is not None:
             self._checks[record.req_id] = LoadCheck(
                 expected, self._states(blocks, groups, expected)
             )
+            verify.expect(record.req_id, request.kv_transfer_params)
         return record
 
     def _states(
@@ -216,6 +217,10 @@ class EntryFeatures:
             verify.count_verdicts(connector_output, worker_meta, in_flight)
 
     def loads_finished(self, req_ids: Iterable[str]) -> None:
+        req_ids = tuple(req_ids)
+        if self._verify is not None:
+            for req_id in req_ids:
+                self._verify.load_finished(req_id)
         if self._claims is not None:
             self._claims.loads_finished(req_ids)
 

@@ -184,6 +184,7 @@ class EntryFeaturesWorker:
             digests=verify.take_parts() if verify is not None else {},
             verdicts=verify.take_verdicts() if verify is not None else {},
             false_vouches=claims.take_false_vouches() if claims is not None else frozenset(),
+            differs=verify.take_differs() if verify is not None else {},
         )
         return report if report else None
 

@@ -219,8 +219,14 @@ def test_one_flipped_byte_is_a_mismatch_and_the_request_is_recomputed(sent, toke
     d, outputs = consume(sent, sent[1][entry.KEY], flip=(1, token))
     assert d.stats["digest_mismatches"] == 1 and d.stats["digests_verified"] == 0
     assert d.stats["failed_loads"] == 1
-    assert "request c1: the loaded KV differs" in caplog.text
-    assert "tokens [0, 37)" in caplog.text
+    # One line for the request, on the scheduler side, naming the producer
+    # and what differs (group, head, tokens).
+    (line,) = [r for r in caplog.records if "differs from what the producer" in r.getMessage()]
+    assert line.levelname == "WARNING"
+    message = line.getMessage()
+    engine = sent[1].get("remote_engine_id", "unknown")
+    assert f"request c1: the KV loaded from producer engine {engine!r} differs" in message
+    assert "KV cache group 0" in message and "tokens [0, 37)" in message
     # recompute: the request ran its prefill locally and finished normally.
     assert outputs["c1"].finish_reason == FinishReason.LENGTH
 

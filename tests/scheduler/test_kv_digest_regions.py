@@ -14,6 +14,8 @@ does, over poisoned pages.
 
 from __future__ import annotations
 
+import logging
+
 import pickle
 from typing import Any
 
@@ -150,6 +152,8 @@ def test_sharded_cpu_pages_are_digested_per_rank_and_checked_per_rank(isa):
 
 
 def test_a_mismatch_in_a_sharded_page_names_the_ranks_heads(caplog):
+    # The rank names what differs (at DEBUG; the scheduler side logs it once).
+    caplog.set_level(logging.DEBUG)
     logical = logical_content(LAYERS, 4, TOKENS, 2 * D, DTYPE, seed=2)
     dg = producer_digest(cpu_ranks("vec", logical, 2, P_BLOCKS, seed=10), total=4)
     d = cpu_ranks("vec", logical, 2, D_BLOCKS, seed=20)

@@ -48,6 +48,11 @@ def _check(d: RankStates, digest: Digest, block: int) -> str:
     finished, bad = d.release()
     verdict = d.take_verdicts()["r"]
     assert (finished, bad) == ({"r"}, {"r"} if verdict == MISMATCH else set())
+    differs = d.take_differs()
+    if verdict == MISMATCH:  # named for the scheduler's one log line
+        assert "state group 1" in differs["r"]
+    else:
+        assert differs == {}
     return verdict
 
 

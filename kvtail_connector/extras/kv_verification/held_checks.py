@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvtail_connector.core.parts.consumer_tails.hold import MAX_PASSES
-from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED
+from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, Compared
 
 
 class Check(Protocol):
@@ -28,16 +28,17 @@ class HeldChecks(Generic[C]):
     """Checks by request until compared, and the verdicts not yet taken.
 
     Args:
-        compare: a check's verdict, once its sums are on the host (may log).
+        compare: a check's verdict and what differs, once its sums are on the host.
     """
 
-    def __init__(self, compare: Callable[[C], str]) -> None:
+    def __init__(self, compare: Callable[[C], Compared]) -> None:
         self._compare = compare
         self._held: dict[str, C] = {}
         # Released since the caller last said its results reached vLLM
         # (:meth:`reported`): a failure in between must still report them.
         self._unreported: set[str] = set()
         self._verdicts: dict[str, str] = {}
+        self._differs: dict[str, str] = {}
 
     def hold(self, req_id: str, check: C) -> None:
         self._held[req_id] = check
@@ -59,10 +60,11 @@ class HeldChecks(Generic[C]):
                     continue
                 check.event.synchronize()
             finished.add(req_id)
-            verdict = self._compare(check)
-            self._verdicts[req_id] = verdict
-            if verdict == MISMATCH:
+            found = self._compare(check)
+            self._verdicts[req_id] = found.verdict
+            if found.verdict == MISMATCH:
                 bad.add(req_id)
+                self._differs[req_id] = found.differs
         # Removed only once every one is compared: if a comparison raises,
         # every load is still held, for the caller's fallback (drop_held).
         for req_id in finished:
@@ -93,6 +95,11 @@ class HeldChecks(Generic[C]):
         verdicts, self._verdicts = self._verdicts, {}
         return verdicts
 
+    def take_differs(self) -> dict[str, str]:
+        """What differs in each load found mismatched since the last call."""
+        differs, self._differs = self._differs, {}
+        return differs
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._held
 
@@ -104,7 +111,7 @@ class HeldChecks(Generic[C]):
     @property
     def busy(self) -> bool:
         """A load held or a verdict pending."""
-        return bool(self._held or self._verdicts)
+        return bool(self._held or self._verdicts or self._differs)
 
     @property
     def num_tracked(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, VERIFIED, CheckedLoad
+from kvtail_connector.extras.metadata import MISMATCH, UNVERIFIED, VERIFIED, CheckedLoad, Compared
 from kvtail_connector.extras.ops.digest.launcher import GroupSpan
 from kvtail_connector.log import get_logger
 
@@ -57,10 +57,10 @@ def inside(segment: int, num_tokens: int, start: int, end: int) -> range:
 
 def compare(
     check: LoadCheck, group_ids: Sequence[int], head_name: Callable[[int, int], str]
-) -> str:
-    """VERIFIED, MISMATCH (any compared segment differs, logged) or
-    UNVERIFIED (nothing compared, or a head of ours lacks in the
-    producer's sums and nothing differs)."""
+) -> Compared:
+    """VERIFIED, MISMATCH (any compared segment differs; ``differs`` names
+    the first) or UNVERIFIED (nothing compared, or a head of ours lacks in
+    the producer's sums and nothing differs)."""
     load = check.load
     record = load.record
     lo, hi = load.segments.start, load.segments.stop
@@ -86,20 +86,14 @@ def compare(
         expected = record.expected
         assert expected is not None
         segment = load.segment
-        logger.warning(
-            "KVTailConnector: request %s: the loaded KV differs from what the producer "
-            "digested: KV cache group %d, %s, tokens [%d, %d) (%d of %d segment "
-            "sum(s) differ); reporting the load failed (kv_load_failure_policy applies)",
-            record.req_id,
-            gid,
-            head_name(gid, head),
-            s * segment,
-            min((s + 1) * segment, expected.num_tokens),
-            bad,
-            compared,
+        differs = (
+            f"KV cache group {gid}, {head_name(gid, head)}, tokens "
+            f"[{s * segment}, {min((s + 1) * segment, expected.num_tokens)}) "
+            f"({bad} of {compared} segment sum(s) on this rank differ)"
         )
-        return MISMATCH
+        logger.debug("kvtail: %s: %s", record.req_id, differs)
+        return Compared(MISMATCH, differs)
     if missing:
         logger.debug("kvtail: %s: the producer's digest lacks a head", record.req_id)
-        return UNVERIFIED
-    return VERIFIED if compared else UNVERIFIED
+        return Compared(UNVERIFIED)
+    return Compared(VERIFIED if compared else UNVERIFIED)

@@ -54,7 +54,7 @@ from kvtail_connector.extras.kv_verification.load_checks import (
     inside,
 )
 from kvtail_connector.extras.kv_verification.placement import HeadPlacement, signature
-from kvtail_connector.extras.metadata import UNVERIFIED, CheckedLoad, DigestPart
+from kvtail_connector.extras.metadata import UNVERIFIED, CheckedLoad, Compared, DigestPart
 from kvtail_connector.extras.ops.digest.launcher import (
     ALGORITHM,
     DigestGroup,
@@ -264,6 +264,9 @@ class RankDigests:
     def take_verdicts(self) -> dict[str, str]:
         return self._checks.take_verdicts()
 
+    def take_differs(self) -> dict[str, str]:
+        return self._checks.take_differs()
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._checks
 
@@ -348,7 +351,7 @@ class RankDigests:
                 out[gid] = {h: tuple(row) for h, row in digest.by_head().items()}
         return out
 
-    def _compare(self, check: LoadCheck) -> str:
+    def _compare(self, check: LoadCheck) -> Compared:
         """:func:`compare` over this rank's groups, naming heads as :meth:`_head_name` does."""
         return compare(check, self.group_ids, self._head_name)
 

@@ -35,6 +35,7 @@ from kvtail_connector.extras.metadata import (
     UNVERIFIED,
     VERIFIED,
     CheckedLoad,
+    Compared,
     StatePart,
 )
 from kvtail_connector.extras.ops.state_digest import (
@@ -209,6 +210,9 @@ class RankStates:
     def take_verdicts(self) -> dict[str, str]:
         return self._checks.take_verdicts()
 
+    def take_differs(self) -> dict[str, str]:
+        return self._checks.take_differs()
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._checks
 
@@ -240,23 +244,19 @@ class RankStates:
         event.record()
         return host, event
 
-    def _compare(self, check: _Check) -> str:
+    def _compare(self, check: _Check) -> Compared:
         record = check.record
         assert record.expected is not None and record.expected.digest.states is not None
         theirs = record.expected.digest.states.sums
         for gid in check.groups:
             mine = as_u64(int(check.sums[self.group_ids.index(gid)]))
             if mine != theirs[gid][self.shard]:
-                logger.warning(
-                    "KVTailConnector: request %s: the loaded state differs from what the "
-                    "producer digested: state group %d, TP shard %d; reporting the load failed "
-                    "(kv_load_failure_policy applies)",
-                    record.req_id,
-                    gid,
-                    self.shard,
+                differs = (
+                    f"the Mamba / linear-attention state: state group {gid}, TP shard {self.shard}"
                 )
-                return MISMATCH
-        return VERIFIED
+                logger.debug("kvtail: %s: %s differs", record.req_id, differs)
+                return Compared(MISMATCH, differs)
+        return Compared(VERIFIED)
 
 
 class _Resolve:

@@ -64,8 +64,11 @@ class VerificationScheduler:
         self._digesting: dict[str, int] = {}  # prompt length of those shipped
         self._finished = FinishedParams()
         # Consumer: the ranks' verdicts on loads that came with a digest,
-        # until vLLM reports the load finished.
+        # and what differs where one found a mismatch, until vLLM reports
+        # the load finished; the producer each load came from, for the log.
         self._verdicts: dict[str, str] = {}
+        self._differs: dict[str, str] = {}
+        self._producers: dict[str, str] = {}
 
     # -------------------------------------------------------------- producer
 
@@ -148,22 +151,46 @@ class VerificationScheduler:
         the ones the digest covers (nothing would compare them)."""
         self._stats.add("digests_skipped", 1)
 
+    def expect(self, req_id: str, params: Any) -> None:
+        """A load that came with a digest: remember its producer (vLLM's
+        ``remote_engine_id`` in its params, as far as it is a short string)
+        for the mismatch's log line."""
+        engine = params.get("remote_engine_id") if isinstance(params, dict) else None
+        self._producers[req_id] = (
+            engine if isinstance(engine, str) and len(engine) <= 128 else "unknown"
+        )
+
     def count_verdicts(self, connector_output: Any, worker_meta: Any, in_flight: Any) -> None:
         """Fold this step's verdicts of the ranks; count each load once vLLM
-        reports it finished (every rank then reported its verdict)."""
+        reports it finished (every rank then reported its verdict), and log a
+        mismatch there, once per request."""
         if worker_meta is not None:
-            for req_id, found in report_of(worker_meta).verdicts.items():
+            report = report_of(worker_meta)
+            for req_id, found in report.verdicts.items():
                 if req_id in in_flight:
                     have = self._verdicts.get(req_id)
                     self._verdicts[req_id] = (
                         found if have is None else combined_verdict(have, found)
                     )
+            for req_id, differs in report.differs.items():
+                if req_id in in_flight:
+                    self._differs.setdefault(req_id, differs)
         for req_id in connector_output.finished_recving or ():
             verdict = self._verdicts.pop(req_id, None)
+            differs = self._differs.pop(req_id, "")
+            producer = self._producers.pop(req_id, "unknown")
             if verdict is None:
                 continue
             if verdict == MISMATCH:
                 self._stats.add("digest_mismatches", 1)
+                logger.warning(
+                    "KVTailConnector: request %s: the KV loaded from producer engine %r differs "
+                    "from what the producer digested (%s); the load is reported failed and "
+                    "kv_load_failure_policy applies (vllm:kvtail_digest_mismatches counts these)",
+                    req_id,
+                    producer,
+                    differs or "no rank named what",
+                )
             elif verdict == VERIFIED:
                 self._stats.add("digests_verified", 1)
             else:
@@ -171,6 +198,8 @@ class VerificationScheduler:
 
     def load_finished(self, req_id: str) -> None:
         self._verdicts.pop(req_id, None)
+        self._differs.pop(req_id, None)
+        self._producers.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._producing.pop(req_id, None)
@@ -183,5 +212,9 @@ class VerificationScheduler:
     @property
     def num_tracked(self) -> int:
         return (
-            len(self._producing) + len(self._digesting) + len(self._finished) + len(self._verdicts)
+            len(self._producing)
+            + len(self._digesting)
+            + len(self._finished)
+            + len(self._verdicts)
+            + len(self._producers)
         )

@@ -183,6 +183,13 @@ class VerificationWorker:
         self._waiting, self._bad = set(), set()
         return dropped
 
+    def take_differs(self) -> dict[str, str]:
+        """What differs in each mismatched load (the KV's finding first)."""
+        differs = self._digests.take_differs() if self._digests is not None else {}
+        if self._states is not None:
+            differs = {**self._states.take_differs(), **differs}
+        return differs
+
     def take_verdicts(self) -> dict[str, str]:
         verdicts = self._digests.take_verdicts() if self._digests is not None else {}
         if self._states is not None:
