@@ -15,7 +15,6 @@ does, over poisoned pages.
 from __future__ import annotations
 
 import logging
-
 import pickle
 from typing import Any
 
