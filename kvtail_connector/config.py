@@ -109,9 +109,9 @@ class KVTailConfig(BaseModel):
             serves (the first of each run of that many, counted by the
             producer alone: no request can opt in or out), so a fault that hits
             every transfer is caught within that many requests; a consumer
-            checks every load that comes with a digest. ``off`` (the default):
-            neither; the digest of every request costs more than the project's
-            budget for a default (benchmarks/RESULTS.md §6).
+            checks every load that comes with a digest. This is the default: an
+            alarm for faults that hit every transfer, at about 1/32 of the
+            digest's cost (benchmarks/RESULTS.md §6). ``off``: neither.
         verify_kv_every: with ``verify_kv: sample``, how many remote-decode
             requests a producer serves per digested one (1 to 1024; 32 by
             default). Ignored by the other settings, which digest every request.
@@ -127,7 +127,7 @@ class KVTailConfig(BaseModel):
     probe_stale_tails: StrictBool = False
     vouch_tails: Literal["auto", "trust", "off"] = "auto"
     entry_key_env: str | None = None
-    verify_kv: Literal["off", "digest", "auto", "sample"] = "off"
+    verify_kv: Literal["off", "digest", "auto", "sample"] = "sample"
     verify_kv_every: int = Field(default=32, ge=1, le=1024, strict=True)
 
     @field_validator("backend", "backend_module_path")

@@ -200,7 +200,8 @@ def _digest_duties(
 
 
 def _refuse_without_extras(cfg: KVTailConfig) -> None:
-    # "auto" (and "off") turn the features off without them; anything else asks for them.
+    # "auto" and "sample" (and "off") turn the features off without them; anything
+    # else asks for them.
     asked = [
         f"kv_connector_extra_config.{name}: {value!r}"
         for name, value in (
@@ -208,13 +209,13 @@ def _refuse_without_extras(cfg: KVTailConfig) -> None:
             ("verify_kv", cfg.verify_kv),
             ("entry_key_env", cfg.entry_key_env),
         )
-        if value not in ("auto", "off", None)
+        if value not in ("auto", "sample", "off", None)
     ]
     if asked:
         raise ValueError(
             f"{'; '.join(asked)} needs the opt-in features (kvtail_connector/extras), which "
             "this installation of kvtail-connector does not hold: install the full package, "
-            'or leave the setting out (vouch_tails "auto" and verify_kv "auto" turn off '
+            'or leave the setting out (vouch_tails "auto" and verify_kv "sample" turn off '
             "without them)."
         )
 

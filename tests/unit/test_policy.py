@@ -239,8 +239,19 @@ def test_verify_kv_is_refused_at_start_up_where_it_cannot_work(facts, why):
     assert auto.verify_kv_off is not None and why in auto.verify_kv_off
 
 
-def test_verify_kv_is_off_by_default():
-    assert KVTailConfig(backend="NixlConnector").verify_kv == "off"
+def test_verify_kv_samples_one_in_32_by_default_where_the_digest_works():
+    cfg = KVTailConfig(backend="NixlConnector")
+    assert (cfg.verify_kv, cfg.verify_kv_every) == ("sample", 32)
+    args = dict.fromkeys(FACTS, False)
+    args.update(carries_producer_tail=True, producer_hook="wait_for_save")
+    p = resolve_policy(cfg, **{**args, "is_producer": True})
+    d = resolve_policy(cfg, **{**args, "is_consumer": True})
+    assert p.digests_prompts and p.digest_every == 32 and p.verify_kv_off is None
+    assert d.verifies_loads and d.verify_kv_off is None
+    # Off, with the reason for the start-up line, where it cannot work.
+    store = resolve_policy(cfg, **{**args, "is_consumer": True, "carries_producer_tail": False})
+    assert not (store.digests_prompts or store.verifies_loads)
+    assert "per-request producer parameters" in store.verify_kv_off
 
 
 def test_verify_kv_auto_is_digest_wherever_digest_works():

@@ -104,15 +104,17 @@ def test_the_settings_that_need_the_extras_are_refused_without_them():
         cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", field: value})
         with pytest.raises(ValueError, match=f"kv_connector_extra_config.{field}"):
             resolve_policy(cfg, **facts, extras_installed=False)
-    # The defaults, and auto, turn the features off instead.
-    cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", "verify_kv": "auto"})
-    policy = resolve_policy(cfg, **facts, extras_installed=False)
-    assert policy.zeroes_tails and not (
-        policy.checks_claims
-        or policy.vouches_for_tails
-        or policy.digests_prompts
-        or policy.verifies_loads
-    )
-    assert policy.verify_kv_off == "kvtail_connector/extras is not installed"
-    with_extras = resolve_policy(cfg, **facts)
-    assert with_extras.checks_claims and with_extras.verifies_loads
+    # The defaults (verify_kv "sample"), auto and sample turn the features off instead.
+    for extra in ({}, {"verify_kv": "auto"}, {"verify_kv": "sample"}):
+        cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", **extra})
+        policy = resolve_policy(cfg, **facts, extras_installed=False)
+        assert policy.zeroes_tails and not (
+            policy.checks_claims
+            or policy.vouches_for_tails
+            or policy.digests_prompts
+            or policy.verifies_loads
+        ), extra
+        assert policy.verify_kv_off == "kvtail_connector/extras is not installed"
+        with_extras = resolve_policy(cfg, **facts)
+        assert with_extras.checks_claims and with_extras.verifies_loads
+        assert with_extras.digests_prompts
