@@ -12,6 +12,7 @@ fails to start; the plain pair is stopped once its tests are done.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,12 +42,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     reference = fleet.add_reference(model)
     plain = fleet.add_pair("plain", model, wrapped=False)
     # P vouches for its tails (trust); D checks each claim and zeroes anyway (auto).
+    # verify_kv stays at its default ("sample"); the soak may ask P to digest
+    # more (KVTAIL_SOAK_VERIFY_EVERY=1: every request), to look for false alarms.
+    producer: dict[str, object] = {"vouch_tails": "trust"}
+    every = os.environ.get("KVTAIL_SOAK_VERIFY_EVERY")
+    if every:
+        producer["verify_kv_every"] = int(every)
     wrapped = fleet.add_pair(
         "wrapped",
         model,
         wrapped=True,
         policies=("recompute", "fail"),
-        producer_options={"vouch_tails": "trust"},
+        producer_options=producer,
     )
     with fleet.start():
         yield Servers(fleet, reference, plain, wrapped)
