@@ -104,7 +104,7 @@ class KVTailConfig(BaseModel):
             :func:`~kvtail_connector.core.policy.resolve_policy`). ``auto``: the
             same wherever it can work, off elsewhere (the start-up INFO line
             says why); a load that comes with no digest is counted in
-            ``digests_skipped``. ``sample``: as ``auto``, but a producer
+            ``digests_absent``. ``sample``: as ``auto``, but a producer
             digests one remote-decode request in every ``verify_kv_every`` it
             serves (the first of each run of that many, counted by the
             producer alone: no request can opt in or out), so a fault that hits

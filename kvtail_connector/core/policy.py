@@ -63,6 +63,12 @@ class TailPolicy:
             compare it with the producer's sums (``verify_kv: digest``).
         verify_kv_off: why ``verify_kv: auto`` is off on this engine (what
             ``digest`` would be refused for), or None.
+        digest_every: a producer digests one remote-decode prompt in this many
+            (``verify_kv: sample``), 1 otherwise.
+        digest_steps_aside: the digest was not asked for by name (``auto``,
+            ``sample``, the default): a worker that cannot map its pages or
+            build the digest turns it off instead of refusing to start, where
+            nothing else needs the page maps (:attr:`maps_pages`).
     """
 
     zeroes_tails: bool
@@ -82,18 +88,23 @@ class TailPolicy:
     verifies_loads: bool = False
     verify_kv_off: str | None = None
     digest_every: int = 1
+    digest_steps_aside: bool = False
 
     @property
-    def needs_caches(self) -> bool:
-        """Whether workers zero or digest anything at all (and so map the KV caches)."""
+    def maps_pages(self) -> bool:
+        """Whether workers zero anything (their page maps must exist: a layout
+        they cannot map refuses start-up)."""
         return (
             self.zeroes_tails
             or self.zeroes_failed_loads
             or self.zeroes_read_tails
             or self.vouches_for_tails
-            or self.digests_prompts
-            or self.verifies_loads
         )
+
+    @property
+    def needs_caches(self) -> bool:
+        """Whether workers zero or digest anything at all (and so map the KV caches)."""
+        return self.maps_pages or self.digests_prompts or self.verifies_loads
 
     @property
     def runs_extras(self) -> bool:
@@ -157,7 +168,9 @@ def _digest_duties(
             "MoRIIO WRITE, a MultiConnector backend, NIXL with a host buffer: "
             'kv_buffer_device "cpu" on a GPU)'
         )
-    elif is_consumer and sync_read:
+    elif sync_read and (is_consumer or cfg.verify_kv != "digest"):
+        # A READ producer's digest could only be checked by a READ consumer,
+        # which refuses it: by default the producer does not digest in vain.
         refusal = (
             "MoRIIO READ loads synchronously: the request's forward reads the KV in the step "
             "its READ lands, before any verdict could reach the scheduler"
@@ -200,8 +213,8 @@ def _digest_duties(
 
 
 def _refuse_without_extras(cfg: KVTailConfig) -> None:
-    # "auto" and "sample" (and "off") turn the features off without them; anything
-    # else asks for them.
+    # "auto", the defaults (and "off") turn the features off without them;
+    # anything else asks for them, "sample" set by name included.
     asked = [
         f"kv_connector_extra_config.{name}: {value!r}"
         for name, value in (
@@ -209,7 +222,8 @@ def _refuse_without_extras(cfg: KVTailConfig) -> None:
             ("verify_kv", cfg.verify_kv),
             ("entry_key_env", cfg.entry_key_env),
         )
-        if value not in ("auto", "sample", "off", None)
+        if value not in ("auto", "off", None)
+        and not (name == "verify_kv" and name not in cfg.model_fields_set)
     ]
     if asked:
         raise ValueError(
@@ -335,4 +349,5 @@ def resolve_policy(
         verifies_loads=verify,
         verify_kv_off=verify_off or without_extras,
         digest_every=cfg.verify_kv_every if cfg.verify_kv == "sample" else 1,
+        digest_steps_aside=cfg.verify_kv != "digest",
     )

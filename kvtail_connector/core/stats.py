@@ -40,6 +40,7 @@ COUNTERS = (
     "digests_verified",
     "digest_mismatches",
     "digests_skipped",
+    "digests_absent",
     "internal_errors",
 )
 # Levels, not counts. Each part of the wrapper (scheduler side, every worker)
@@ -88,8 +89,10 @@ class KVTailStats(KVConnectorStats):
     other geometry or length) and ``false_vouches`` (the probe's canary).
     KV digests (``verify_kv``): ``digests_sent`` on the producer;
     ``digests_verified``, ``digest_mismatches`` (loads then reported failed)
-    and ``digests_skipped`` (async loads with no usable digest, or none of
-    whose segments could be compared) on the consumer. Per-request counters
+    ``digests_skipped`` (async loads whose digest could not be used, or none
+    of whose segments could be compared) and ``digests_absent`` (async loads
+    that came without a digest: under sampling, the producer's unsampled
+    requests) on the consumer. Per-request counters
     are counted once per request (the scheduler side, or the first worker
     rank), so vLLM's sum over TP workers stays a count of requests.
     ``internal_errors``: failures of the wrapper's own code that a hook

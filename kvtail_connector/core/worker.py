@@ -145,15 +145,38 @@ class TailWorker:
         for part in (self._reads, self._extra):
             if part is not None:
                 part.forget_released()
-        if not self._policy.needs_caches:
+        policy = self._policy
+        if not policy.needs_caches:
             return
-        sets = cache_sets(kv_caches, kv_cache_config, rank.groups, layer_objects, engine)
+        try:
+            sets = cache_sets(kv_caches, kv_cache_config, rank.groups, layer_objects, engine)
+            if sets:
+                rank.register(sets)
+                if self._extra is not None:
+                    self._extra.register(sets, kv_caches, kv_cache_config)
+        except Exception as e:
+            if policy.maps_pages:
+                raise
+            if not policy.digest_steps_aside:
+                e.add_note(
+                    'KVTailConnector: verify_kv "digest" maps the pages too: set '
+                    'kv_connector_extra_config.verify_kv to "sample" (which turns itself off '
+                    'where it cannot work) or "off".'
+                )
+                raise
+            # Only the digest needed the pages, and not by name: it steps
+            # aside on this worker (its loads go unchecked, its prompts
+            # undigested) rather than stop an engine that would run without it.
+            logger.warning(
+                "KVTailConnector: verify_kv is off on this worker: its KV pages cannot be "
+                "digested (%s). The engine runs without the digest; set "
+                'kv_connector_extra_config.verify_kv to "off" to skip this check.',
+                e,
+            )
+            return
         if not sets:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
             return
-        rank.register(sets)
-        if self._extra is not None:
-            self._extra.register(sets, kv_caches, kv_cache_config)
         if self._reads is not None:
             self._reads.register(sets)
         zeroer = rank.zeroer

@@ -201,7 +201,8 @@ class EntryReader:
             usable = claims and (
                 policy.trusts_load_claims if load_async else policy.trusts_read_claims
             )
-            self._asks[load_async] = (claims, usable or digest, digest)
+            # A digest is bound too, where the entry has one (_read).
+            self._asks[load_async] = (claims, usable, digest)
         # Whether a missing entry is counted (a digest to verify): else a
         # request without one has nothing to read.
         self.counts_absence = any(ask[2] for ask in self._asks.values())
@@ -242,14 +243,16 @@ class EntryReader:
         else is counted in ``vouches_declined``. Without ``bind`` the claim
         can only be counted (``vouches_unused``), so the binding, which walks
         every block id of the params, is not computed. ``expected`` (with
-        ``digest``, which implies ``bind``): the producer's digest of this
-        prompt under the same conditions; anything else is counted in
-        ``digests_skipped``."""
+        ``digest``): the producer's digest of this prompt under the same
+        conditions, bound; a load without one is counted in ``digests_absent``
+        (under sampling, most loads: their binding is not computed), one with
+        a digest it cannot use in ``digests_skipped``."""
         params = request.kv_transfer_params
         # With a key the MAC covers the whole entry, dg included: walk it all.
         reading = entry.read(params, self._limits, digest=digest, walk_digest=self._key is not None)
         found, why = reading.entry, reading.why
-        if found is not None and bind:
+        absent = why == "absent" if found is None else reading.digest_why == "absent"
+        if found is not None and (bind or (digest and not absent)):
             why = self._bound(found, reading.raw, params)
         claim = None
         if claims and why != "absent":
@@ -273,7 +276,9 @@ class EntryReader:
                     why = "digest of a longer prompt"
             elif why == "ok":
                 why = f"digest {reading.digest_why}"
-            if expected is None:
+            if expected is None and absent:
+                self._stats.add("digests_absent", 1)
+            elif expected is None:
                 self._stats.add("digests_skipped", 1)
                 logger.debug("kvtail: %s: no producer digest used (%s)", request.request_id, why)
         return Reading(claim, expected)

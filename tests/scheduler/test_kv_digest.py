@@ -292,7 +292,12 @@ def test_a_load_without_a_usable_digest_is_skipped_and_not_failed(sent, kvtail):
     elif isinstance(kvtail, dict):
         kvtail = _edited_digest(good, **kvtail)
     d, outputs = consume(sent, kvtail, flip=(0, 3))  # a flip nobody can see
-    assert d.stats["digests_skipped"] == 1
+    # Without a digest (a plain producer, or one that did not sample this
+    # request) the load counts as absent; with one it cannot use, as skipped.
+    no_digest = kvtail is None or "dg" not in kvtail
+    assert (d.stats["digests_absent"], d.stats["digests_skipped"]) == (
+        (1, 0) if no_digest else (0, 1)
+    )
     assert d.stats["digests_verified"] == 0 and d.stats["digest_mismatches"] == 0
     assert d.stats["failed_loads"] == 0
     assert outputs["c1"].finish_reason == FinishReason.LENGTH
@@ -315,7 +320,7 @@ def test_with_verify_kv_off_the_consumer_does_not_verify(sent):
     transfer(p, params["remote_block_ids"][0], d, "c1", PROMPT)
     d.finish()
     assert all(r.expected is None for r in d.records())
-    for counter in ("digests_verified", "digests_skipped", "digest_mismatches"):
+    for counter in ("digests_verified", "digests_skipped", "digest_mismatches", "digests_absent"):
         assert d.stats[counter] == 0
 
 
@@ -605,3 +610,49 @@ def test_a_group_with_other_heads_than_the_model_is_checked_where_keys_agree(p_t
     verdicts = _group_verdicts(full, d_tp, blocks, n, digest)
     holds_head_1 = [1 in rank_heads(r, d_tp, _LAYER_HEADS) for r in range(d_tp)]
     assert verdicts == [MISMATCH if h else VERIFIED for h in holds_head_1]
+
+
+def test_the_alarm_names_a_bounded_producer_and_logs_each_request_once(caplog):
+    """The mismatch line: the producer's ``remote_engine_id`` where it is a
+    short string ('unknown' otherwise, whatever a client sent), what the first
+    rank named, once per request however many ranks reported it."""
+    from types import SimpleNamespace
+
+    from kvtail_connector.core.metadata import KVTailWorkerMeta
+    from kvtail_connector.core.stats import KVTailStats
+    from kvtail_connector.extras.kv_verification.scheduler import VerificationScheduler
+    from kvtail_connector.extras.metadata import MISMATCH, EntryReport
+
+    stats = KVTailStats()
+    verify = VerificationScheduler(SimpleNamespace(groups=()), stats, digests_prompts=False)
+    params = {
+        "a": {"remote_engine_id": "p-1"},
+        "b": {"remote_engine_id": 7},
+        "c": {"remote_engine_id": "x\n" * 100},
+        "d": None,
+    }
+    for req_id, p in params.items():
+        verify.expect(req_id, p)
+    ranks = [
+        KVTailWorkerMeta(
+            inner=None,
+            ranks=frozenset({r}),
+            extra=EntryReport(
+                verdicts=dict.fromkeys(params, MISMATCH), differs=dict.fromkeys(params, f"rank {r}")
+            ),
+        )
+        for r in range(2)
+    ]
+    quiet = KVTailWorkerMeta(inner=None, ranks=frozenset({2}), extra=None)
+    meta = ranks[0].aggregate(quiet).aggregate(ranks[1])
+    assert meta.ranks == {0, 1, 2} and meta.extra.differs == dict.fromkeys(params, "rank 0")
+    done = SimpleNamespace(finished_recving=set(params))
+    verify.count_verdicts(done, meta, in_flight=set(params))
+    lines = [
+        r.getMessage() for r in caplog.records if "differs from what the producer" in r.getMessage()
+    ]
+    assert len(lines) == 4 and stats.data["digest_mismatches"] == 4
+    named = {line.split(":")[1].split()[1]: line for line in lines}
+    assert "engine 'p-1'" in named["a"] and "(rank 0)" in named["a"]
+    assert all("engine 'unknown'" in named[r] for r in "bcd")
+    assert verify.num_tracked == 0

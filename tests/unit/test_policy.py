@@ -260,11 +260,20 @@ def test_verify_kv_auto_is_digest_wherever_digest_works():
         {"is_consumer": True},
         {"is_producer": True, "is_consumer": True},
         {"is_producer": True, "is_consumer": True, "producer_hook": None},
-        {"is_producer": True, "sync_read": True},
     ):
         auto, digest = _verify("auto", **facts), _verify("digest", **facts)
-        assert auto == digest, facts
-        assert auto.verify_kv_off is None
+        assert dataclasses.replace(auto, digest_steps_aside=False) == digest, facts
+        assert auto.verify_kv_off is None and auto.digest_steps_aside
+        assert not digest.digest_steps_aside
+
+
+def test_a_moriio_read_producer_digests_only_when_asked_by_name():
+    # No MoRIIO READ consumer can check a digest (it refuses one): by default
+    # a READ producer does not digest in vain.
+    for setting in ("auto", "sample"):
+        p = _verify(setting, is_producer=True, sync_read=True)
+        assert not p.digests_prompts and "MoRIIO READ" in p.verify_kv_off
+    assert _verify("digest", is_producer=True, sync_read=True).digests_prompts
 
 
 def test_verify_kv_sample_is_auto_digesting_one_in_every_n():

@@ -99,13 +99,14 @@ def test_the_settings_that_need_the_extras_are_refused_without_them():
     for field, value in (
         ("vouch_tails", "trust"),
         ("verify_kv", "digest"),
+        ("verify_kv", "sample"),  # set by name: asked for
         ("entry_key_env", "KVTAIL_KEY"),
     ):
         cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", field: value})
         with pytest.raises(ValueError, match=f"kv_connector_extra_config.{field}"):
             resolve_policy(cfg, **facts, extras_installed=False)
-    # The defaults (verify_kv "sample"), auto and sample turn the features off instead.
-    for extra in ({}, {"verify_kv": "auto"}, {"verify_kv": "sample"}):
+    # The defaults (verify_kv "sample" unset) and auto turn the features off instead.
+    for extra in ({}, {"verify_kv": "auto"}):
         cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", **extra})
         policy = resolve_policy(cfg, **facts, extras_installed=False)
         assert policy.zeroes_tails and not (

@@ -115,4 +115,4 @@ class HeldChecks(Generic[C]):
 
     @property
     def num_tracked(self) -> int:
-        return len(self._held) + len(self._verdicts)
+        return len(self._held) + len(self._verdicts) + len(self._differs)

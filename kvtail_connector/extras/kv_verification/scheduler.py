@@ -216,5 +216,6 @@ class VerificationScheduler:
             + len(self._digesting)
             + len(self._finished)
             + len(self._verdicts)
+            + len(self._differs)
             + len(self._producers)
         )

@@ -52,10 +52,11 @@ class VerificationWorker:
 
     def register(self, sets: list[CacheSet], states: list[StateSet] | None = None) -> None:
         self._released = self._released_states = None
-        self._digests = RankDigests(sets, self._heads)
+        digests = RankDigests(sets, self._heads)
         ranks = RankStates(states or [], self._heads.tp_rank, self._heads.tp_size)
-        self._states = ranks if ranks else None
-        self._digests.warmup()
+        digests.warmup()
+        # Registered once built and compiled: a failure leaves the digest off.
+        self._digests, self._states = digests, ranks if ranks else None
 
     def release(self) -> None:
         if self._digests is not None:

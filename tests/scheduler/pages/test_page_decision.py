@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -20,7 +21,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvtail_connector.pages import MAPS, EngineFacts, UnmappedPage, layer_cache
 from kvtail_connector.pages.spec_fields import KNOWN_FIELDS, LEAVES_PAGE, SHAPES_PAGE
 from tests.helpers.stub_imports import import_with_stubs
-from tests.helpers.worker_caches import LayerDouble, allocate, make_tail_worker
+from tests.helpers.worker_caches import ErrorSource, LayerDouble, allocate, make_tail_worker
 
 LAYER = "model.layers.0.self_attn.attn"
 
@@ -157,6 +158,37 @@ def test_an_unmapped_layer_stops_the_worker_at_registration():
     # Nothing zeroed, digested or probed: the layout is never read.
     idle = make_tail_worker(config, zeroes_tails=False, zeroes_read_tails=False)
     idle.register_kv_caches(caches.views, config, {LAYER: LayerDouble(OutOfTreeBackend)})
+
+
+def test_the_default_sampled_digest_steps_aside_on_an_unmapped_layer(caplog):
+    """``verify_kv`` "sample" (the default) or "auto" maps pages only for the
+    digest: a layout it cannot map turns the digest off on that worker, with a
+    WARNING, instead of stopping an engine that zeroes nothing; "digest" set by
+    name, or any zeroing, still refuses."""
+    spec = _spec()
+    config = kvi.KVCacheConfig(
+        num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[kvi.KVCacheGroupSpec([LAYER], spec)]
+    )
+    caches = allocate(config)
+
+    class OutOfTreeBackend:
+        pass
+
+    layers = {LAYER: LayerDouble(OutOfTreeBackend)}
+    digest_only = dict(zeroes_tails=False, zeroes_read_tails=False, verifies_loads=True)
+    sampled = make_tail_worker(config, **digest_only, digest_steps_aside=True)
+    sampled.register_kv_caches(caches.views, config, layers)
+    assert "verify_kv is off on this worker" in caplog.text and repr(LAYER) in caplog.text
+    # It runs on without the digest: a load completes, unchecked.
+    done = KVConnectorTransferResults(finished_recving={"r"})
+    assert sampled.transfer_results(done, set(), ErrorSource()).finished_recving == {"r"}
+    named = make_tail_worker(config, **digest_only, digest_steps_aside=False)
+    with pytest.raises(UnmappedPage) as err:
+        named.register_kv_caches(caches.views, config, layers)
+    assert 'verify_kv "digest" maps the pages too' in " ".join(err.value.__notes__)
+    zeroing = make_tail_worker(config, verifies_loads=True, digest_steps_aside=True)
+    with pytest.raises(UnmappedPage, match=repr(LAYER)):
+        zeroing.register_kv_caches(caches.views, config, layers)
 
 
 _FUSABLE = (
