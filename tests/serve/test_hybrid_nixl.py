@@ -26,6 +26,7 @@ the prefill server (the faults between the legs happen there, as in
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,7 +90,13 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hybrid]:
     model = str(ensure_tiny_hybrid(kind="granite"))
     fleet = Fleet(tmp_path_factory.mktemp("hybrid-nixl-logs"))
     reference = fleet.add_reference(model)
-    pair = fleet.add_pair("hybrid", model, wrapped=True, zero_tails="auto")
+    # verify_kv at its default ("sample"); the soak may have P digest every
+    # request (KVTAIL_SOAK_VERIFY_EVERY=1), to look for false alarms.
+    every = os.environ.get("KVTAIL_SOAK_VERIFY_EVERY")
+    producer = {"verify_kv_every": int(every)} if every else {}
+    pair = fleet.add_pair(
+        "hybrid", model, wrapped=True, zero_tails="auto", producer_options=producer
+    )
     with fleet.start(), PrefillTap(pair.prefill.url) as tap:
         (attn_block,) = {v["block_size"] for v in pair.decode.layout().values()}
         with Router(pair.name, [tap.url], [pair.decode.url], fleet.log_dir) as router:
@@ -152,4 +159,23 @@ def test_prefill_killed_after_its_answer(hybrid: Hybrid) -> None:
     assert mismatches(answers, refs) == []
     got = wait_counts(decode, before, {"failed_loads": 0})
     assert got["held_requests"] == 0, got
+    assert decode.nan_census() == {}
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(os.environ.get("KVTAIL_SOAK") != "1", reason="set KVTAIL_SOAK=1")
+def test_soak_the_digest_of_the_hybrid_raises_no_false_alarm(hybrid: Hybrid) -> None:
+    """Clean requests through the router (``KVTAIL_SOAK_HYBRID_REQUESTS``, 200):
+    the single-engine answers, no load failed, no digest (attention KV and the
+    Mamba state) differing from its producer's, the sample taken."""
+    hybrid.ensure_prefill()
+    decode = hybrid.pair.decode
+    prompts = hybrid.prompts(int(os.environ.get("KVTAIL_SOAK_HYBRID_REQUESTS", "200")), seed=29)
+    refs = references(hybrid.reference, prompts)
+    before = kvtail(decode)
+    answers = send_all(openai_client(hybrid.router.url), prompts, MAX_TOKENS, CONCURRENCY)
+    assert mismatches(answers, refs) == []
+    got = wait_counts(decode, before, {"failed_loads": 0, "digest_mismatches": 0}, timeout=180)
+    print("\nHYBRID SOAK " + json.dumps({"requests": len(prompts), **got}))
+    assert got["held_requests"] == 0 and got.get("digests_verified", 0) > 0, got
     assert decode.nan_census() == {}
