@@ -178,6 +178,8 @@ class EntryFeaturesWorker:
         """None on a step with nothing to report (the usual one): the scheduler
         reads a missing report as an empty one (``report_of``)."""
         claims, verify = self._claims, self._verify
+        if verify is not None and not verify.has_report:
+            verify = None
         zeroed = claims.take_zeroed() if claims is not None else []
         report = EntryReport(
             confirmed=dict.fromkeys(zeroed, self._ranks),

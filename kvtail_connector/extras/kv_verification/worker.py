@@ -200,6 +200,12 @@ class VerificationWorker:
         return verdicts
 
     @property
+    def has_report(self) -> bool:
+        """Sums, verdicts or prompts to drop this step (else the take_* calls
+        return nothing: skipped on the usual step under sampling)."""
+        return bool(self._parts or self._records) or not self.idle
+
+    @property
     def idle(self) -> bool:
         """No completion waits for a digest and no verdict is pending: a pass
         with nothing completed has nothing here to do (a conservative test:
