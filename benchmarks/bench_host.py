@@ -109,6 +109,10 @@ def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
 # ====================================================================== configs
 
 
+# The wrapper's settings beyond the bench's own (``--verify-kv``): empty, its defaults.
+WRAPPER_OPTIONS: dict[str, Any] = {}
+
+
 def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any, Any]:
     """(wrapper, bare, floor) ``VllmConfig`` s, identical but for the connector
     (floor: the do-nothing forwarder). ``floor``: the forwarder in the
@@ -141,6 +145,7 @@ def _configs(num_blocks: int, *, floor: bool = False) -> tuple[Any, Any, Any]:
                     "backend": async_double.CONNECTOR_NAME,
                     "backend_module_path": async_double.MODULE_PATH,
                     "zero_tails": "always",
+                    **WRAPPER_OPTIONS,
                 }
             ),
             **common,
@@ -882,9 +887,16 @@ def main(argv: list[str] | None = None) -> int:
         help="scheduler side only, a do-nothing forwarding connector in the wrapper's place "
         "(what wrapping costs here before any work)",
     )
+    parser.add_argument(
+        "--verify-kv",
+        choices=("off", "sample", "auto", "digest"),
+        help="the wrapper's verify_kv (default: its own default, sample)",
+    )
     parser.add_argument("--skip-scheduler", action="store_true")
     parser.add_argument("--skip-worker", action="store_true")
     args = parser.parse_args(argv)
+    if args.verify_kv is not None:
+        WRAPPER_OPTIONS["verify_kv"] = args.verify_kv
     _setup_path()
     t_start = time.perf_counter()
 
@@ -907,9 +919,13 @@ def main(argv: list[str] | None = None) -> int:
         "n_decode": N_DECODE,
         "n_new_per_step": N_NEW,
         "n_tails": N_TAILS,
+        "wrapper_options": dict(WRAPPER_OPTIONS),
     }
     print_report(res)
-    print(f"\n(vllm {vllm.__version__}, torch {torch.__version__}, {res['meta']['wall_s']:.0f} s)")
+    print(
+        f"\n(vllm {vllm.__version__}, torch {torch.__version__}, "
+        f"wrapper options {WRAPPER_OPTIONS or 'default'}, {res['meta']['wall_s']:.0f} s)"
+    )
     if args.profile:
         for layers in (2, 80):
             print(f"\n## cProfile, {N_TAILS} loads, wrapper worker, {layers} layers\n```")
