@@ -155,24 +155,7 @@ class TailWorker:
                 if self._extra is not None:
                     self._extra.register(sets, kv_caches, kv_cache_config)
         except Exception as e:
-            if policy.maps_pages:
-                raise
-            if not policy.digest_steps_aside:
-                e.add_note(
-                    'KVTailConnector: verify_kv "digest" maps the pages too: set '
-                    'kv_connector_extra_config.verify_kv to "sample" (which turns itself off '
-                    'where it cannot work) or "off".'
-                )
-                raise
-            # Only the digest needed the pages, and not by name: it steps
-            # aside on this worker (its loads go unchecked, its prompts
-            # undigested) rather than stop an engine that would run without it.
-            logger.warning(
-                "KVTailConnector: verify_kv is off on this worker: its KV pages cannot be "
-                "digested (%s). The engine runs without the digest; set "
-                'kv_connector_extra_config.verify_kv to "off" to skip this check.',
-                e,
-            )
+            _digest_steps_aside(policy, e)
             return
         if not sets:
             logger.info("KVTailConnector: no attention cache with token tails on this worker")
@@ -378,3 +361,26 @@ class TailWorker:
         """Entries every part still holds (0 when idle: the leak check)."""
         parts = (self._tails, self._errors, self._reads, self._extra)
         return sum(p.num_tracked for p in parts if p is not None)
+
+
+def _digest_steps_aside(policy: TailPolicy, error: Exception) -> None:
+    """Registration failed with ``error``: re-raised where zeroing needs the
+    pages or ``verify_kv: digest`` was set by name; else only the default (or
+    ``auto``) digest needed them and it steps aside on this worker (its loads
+    go unchecked, its prompts undigested) rather than stop an engine that
+    runs without it."""
+    if policy.maps_pages:
+        raise error
+    if not policy.digest_steps_aside:
+        error.add_note(
+            'KVTailConnector: verify_kv "digest" maps the pages too: set '
+            'kv_connector_extra_config.verify_kv to "sample" (which turns itself off '
+            'where it cannot work) or "off".'
+        )
+        raise error
+    logger.warning(
+        "KVTailConnector: verify_kv is off on this worker: its KV pages cannot be "
+        "digested (%s). The engine runs without the digest; set "
+        'kv_connector_extra_config.verify_kv to "off" to skip this check.',
+        error,
+    )

@@ -160,6 +160,7 @@ def test_an_unmapped_layer_stops_the_worker_at_registration():
     idle.register_kv_caches(caches.views, config, {LAYER: LayerDouble(OutOfTreeBackend)})
 
 
+@pytest.mark.extras  # the digest's worker half is an opt-in layer
 def test_the_default_sampled_digest_steps_aside_on_an_unmapped_layer(caplog):
     """``verify_kv`` "sample" (the default) or "auto" maps pages only for the
     digest: a layout it cannot map turns the digest off on that worker, with a
