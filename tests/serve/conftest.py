@@ -48,12 +48,16 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     every = os.environ.get("KVTAIL_SOAK_VERIFY_EVERY")
     if every:
         producer["verify_kv_every"] = int(every)
+    # KVTAIL_SOAK_PREFIX_CACHING=1: the wrapped pair caches prefixes (off
+    # elsewhere, so that the connector, not a local hit, answers).
+    caching = os.environ.get("KVTAIL_SOAK_PREFIX_CACHING") == "1"
     wrapped = fleet.add_pair(
         "wrapped",
         model,
         wrapped=True,
         policies=("recompute", "fail"),
         producer_options=producer,
+        spec={"args": ["--enable-prefix-caching"]} if caching else None,
     )
     with fleet.start():
         yield Servers(fleet, reference, plain, wrapped)

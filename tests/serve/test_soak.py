@@ -13,7 +13,8 @@ its producer's digest (a false alarm).
     KVTAIL_SOAK=1 .venv/bin/python -m pytest -s -p no:cacheprovider tests/serve/test_soak.py
 
 ``KVTAIL_SOAK_REQUESTS`` (800) and ``KVTAIL_SOAK_BUDGET_S`` (300) size it;
-``KVTAIL_SOAK_VERIFY_EVERY=1`` has the producer digest every request.
+``KVTAIL_SOAK_VERIFY_EVERY=1`` has the producer digest every request;
+``KVTAIL_SOAK_PREFIX_CACHING=1`` turns prefix caching on in the wrapped pair.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def rss_bytes(server: APIServer) -> int:
     return out
 
 
+def _prefix_hits(server: APIServer) -> float:
+    """Tokens the server's prefix cache answered (vLLM's counter; 0 with caching off)."""
+    rows = server.metrics().get("vllm:prefix_cache_hits_total", [])
+    return sum(value for _, value in rows)
+
+
 def _abandon(url: str, prompt: Prompt, after_chunks: int) -> int:
     """Stream ``prompt`` and hang up after ``after_chunks`` chunks; chunks read."""
     client = openai_client(url)
@@ -107,6 +114,7 @@ def test_soak(servers: Servers, tmp_path: Path) -> None:
     refs = references(ref, [prompts[i] for i in kept])
 
     before = kvtail(d)
+    hits0 = _prefix_hits(d)
     rss0 = rss_bytes(d)
     answers: dict[int, Answer] = {}
     abandoned: dict[int, Any] = {}
@@ -154,6 +162,7 @@ def test_soak(servers: Servers, tmp_path: Path) -> None:
         "decode_rss_mb_before": round(rss0 / 2**20, 1),
         "decode_rss_mb_after": round(rss1 / 2**20, 1),
         "decode_rss_growth_mb": round((rss1 - rss0) / 2**20, 1),
+        "decode_prefix_cache_hit_tokens": _prefix_hits(d) - hits0,
     }
     print("\nSOAK " + json.dumps(summary))
     (tmp_path / "soak.json").write_text(json.dumps(summary, indent=2))
