@@ -14,12 +14,15 @@ its producer's digest (a false alarm).
 
 ``KVTAIL_SOAK_REQUESTS`` (800) and ``KVTAIL_SOAK_BUDGET_S`` (300) size it;
 ``KVTAIL_SOAK_VERIFY_EVERY=1`` has the producer digest every request;
-``KVTAIL_SOAK_PREFIX_CACHING=1`` turns prefix caching on in the wrapped pair.
+``KVTAIL_SOAK_PREFIX_CACHING=1`` turns prefix caching on in the wrapped pair and
+starts one completion in three with the same three blocks, so that the decode
+server loads only what its cache lacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -107,6 +110,16 @@ def test_soak(servers: Servers, tmp_path: Path) -> None:
 
     rng = random.Random(7)
     prompts = mixed_prompts(REQUESTS, bs, count_tokens, seed=7, low=4, high=300)
+    if os.environ.get("KVTAIL_SOAK_PREFIX_CACHING") == "1":
+        shared = tuple(range(100, 100 + 3 * bs))  # three whole blocks, the tiny vocab
+        prompts = [
+            dataclasses.replace(
+                p, token_ids=shared + p.token_ids, num_tokens=len(shared) + p.num_tokens
+            )
+            if p.kind == "completion" and i % 3 == 0
+            else p
+            for i, p in enumerate(prompts)
+        ]
     rng.shuffle(prompts)
     aborts = {i for i, p in enumerate(prompts) if p.stream and rng.random() < ABORT_SHARE * 2}
     abort_after = {i: rng.choice([0, 0, 1, 3]) for i in aborts}
