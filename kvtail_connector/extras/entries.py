@@ -215,9 +215,11 @@ class EntryReader:
             self.readings[req_id] = seen
             return
         claims, bind, digest = self._asks[load_async]
-        if not digest and entry.raw_entry(request.kv_transfer_params) is None:
-            # No entry, and no digest whose absence is counted: nothing to
-            # remember (read again, it reads the same: absent).
+        if entry.raw_entry(request.kv_transfer_params) is None:
+            # No entry: nothing to remember (read again, it reads the same),
+            # a digest's absence counted (under sampling, most loads).
+            if digest:
+                self._stats.add("digests_absent", 1)
             return
         if claims or digest:
             found = self._read(request, claims=claims, bind=bind, digest=digest)

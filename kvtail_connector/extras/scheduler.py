@@ -219,8 +219,7 @@ class EntryFeatures:
     def loads_finished(self, req_ids: Iterable[str]) -> None:
         req_ids = tuple(req_ids)
         if self._verify is not None:
-            for req_id in req_ids:
-                self._verify.load_finished(req_id)
+            self._verify.loads_finished(req_ids)
         if self._claims is not None:
             self._claims.loads_finished(req_ids)
 
@@ -239,8 +238,7 @@ class EntryFeatures:
         self._drop_provisional()
         finished = tuple(connector_output.finished_recving or ())
         if self._verify is not None:
-            for req_id in finished:
-                self._verify.load_finished(req_id)
+            self._verify.loads_finished(finished)
         if self._claims is not None:
             self._claims.loads_finished(finished)
 

@@ -10,6 +10,7 @@ are folded per load and counted once vLLM reports the load finished.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kvtail_connector.core.metadata import GroupLoad
@@ -175,6 +176,8 @@ class VerificationScheduler:
             for req_id, differs in report.differs.items():
                 if req_id in in_flight:
                     self._differs.setdefault(req_id, differs)
+        if not (self._verdicts or self._producers):
+            return  # no load in flight came with a digest (most steps under sampling)
         for req_id in connector_output.finished_recving or ():
             verdict = self._verdicts.pop(req_id, None)
             differs = self._differs.pop(req_id, "")
@@ -196,10 +199,13 @@ class VerificationScheduler:
             else:
                 self._stats.add("digests_skipped", 1)
 
-    def load_finished(self, req_id: str) -> None:
-        self._verdicts.pop(req_id, None)
-        self._differs.pop(req_id, None)
-        self._producers.pop(req_id, None)
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        """Loads vLLM reported finished (or a contained failure dropped)."""
+        if self._verdicts or self._differs or self._producers:
+            for req_id in req_ids:
+                self._verdicts.pop(req_id, None)
+                self._differs.pop(req_id, None)
+                self._producers.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._producing.pop(req_id, None)
