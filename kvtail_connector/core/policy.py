@@ -225,6 +225,8 @@ def _refuse_without_extras(cfg: KVTailConfig) -> None:
         if value not in ("auto", "off", None)
         and not (name == "verify_kv" and name not in cfg.model_fields_set)
     ]
+    if "verify_kv_every" in cfg.model_fields_set:
+        asked.append(f"kv_connector_extra_config.verify_kv_every: {cfg.verify_kv_every}")
     if asked:
         raise ValueError(
             f"{'; '.join(asked)} needs the opt-in features (kvtail_connector/extras), which "

@@ -217,7 +217,9 @@ class EntryReader:
         claims, bind, digest = self._asks[load_async]
         if entry.raw_entry(request.kv_transfer_params) is None:
             # No entry: nothing to remember (read again, it reads the same),
-            # a digest's absence counted (under sampling, most loads).
+            # a digest's absence counted (under sampling, most loads). Read
+            # once per load: only async loads count, and vLLM allocates an
+            # async load once (NIXL clears do_remote_prefill there).
             if digest:
                 self._stats.add("digests_absent", 1)
             return

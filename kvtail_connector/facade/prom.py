@@ -40,7 +40,7 @@ METRICS = {
     "digest_mismatches": "Consumer: async loads whose KV differed from the producer's digest "
     "(reported failed; kv_load_failure_policy applies).",
     "digests_skipped": "Consumer: async loads whose digest could not be used (unbound, "
-    "another layout, or no whole segment inside the loaded range).",
+    "another layout, no whole segment inside the loaded range) or that no worker compared.",
     "digests_absent": "Consumer: async loads that came without a digest (under verify_kv "
     "sample, the producer's unsampled requests; behind a plain producer, every load).",
     "internal_errors": "Failures of the wrapper's own code contained in a connector hook (the "

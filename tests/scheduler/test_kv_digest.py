@@ -656,3 +656,8 @@ def test_the_alarm_names_a_bounded_producer_and_logs_each_request_once(caplog):
     assert "engine 'p-1'" in named["a"] and "(rank 0)" in named["a"]
     assert all("engine 'unknown'" in named[r] for r in "bcd")
     assert verify.num_tracked == 0
+    # A load that came with a digest no rank compared (a worker that could not
+    # digest its pages) counts as skipped, not as nothing.
+    verify.expect("e", {"remote_engine_id": "p-1"})
+    verify.count_verdicts(SimpleNamespace(finished_recving={"e"}), None, in_flight={"e"})
+    assert stats.data["digests_skipped"] == 1 and verify.num_tracked == 0

@@ -100,6 +100,7 @@ def test_the_settings_that_need_the_extras_are_refused_without_them():
         ("vouch_tails", "trust"),
         ("verify_kv", "digest"),
         ("verify_kv", "sample"),  # set by name: asked for
+        ("verify_kv_every", 8),
         ("entry_key_env", "KVTAIL_KEY"),
     ):
         cfg = KVTailConfig.from_extra_config({"backend": "NixlConnector", field: value})

@@ -181,8 +181,12 @@ class VerificationScheduler:
         for req_id in connector_output.finished_recving or ():
             verdict = self._verdicts.pop(req_id, None)
             differs = self._differs.pop(req_id, "")
-            producer = self._producers.pop(req_id, "unknown")
+            producer = self._producers.pop(req_id, None)
             if verdict is None:
+                if producer is not None:
+                    # It came with a digest no rank compared (a worker that
+                    # could not digest its pages, a load that failed first).
+                    self._stats.add("digests_skipped", 1)
                 continue
             if verdict == MISMATCH:
                 self._stats.add("digest_mismatches", 1)
@@ -191,7 +195,7 @@ class VerificationScheduler:
                     "from what the producer digested (%s); the load is reported failed and "
                     "kv_load_failure_policy applies (vllm:kvtail_digest_mismatches counts these)",
                     req_id,
-                    producer,
+                    producer or "unknown",
                     differs or "no rank named what",
                 )
             elif verdict == VERIFIED:

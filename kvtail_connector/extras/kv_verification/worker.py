@@ -52,6 +52,7 @@ class VerificationWorker:
 
     def register(self, sets: list[CacheSet], states: list[StateSet] | None = None) -> None:
         self._released = self._released_states = None
+        self._digests = self._states = None  # new caches: nothing of the old ones
         digests = RankDigests(sets, self._heads)
         ranks = RankStates(states or [], self._heads.tp_rank, self._heads.tp_size)
         digests.warmup()
