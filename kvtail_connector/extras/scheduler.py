@@ -236,11 +236,7 @@ class EntryFeatures:
 
     def contain_output(self, connector_output: Any) -> None:
         self._drop_provisional()
-        finished = tuple(connector_output.finished_recving or ())
-        if self._verify is not None:
-            self._verify.loads_finished(finished)
-        if self._claims is not None:
-            self._claims.loads_finished(finished)
+        self.loads_finished(connector_output.finished_recving or ())
 
     def _drop_provisional(self) -> None:
         """Params left by an update_from_output that had no connector output
