@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 import torch
@@ -142,22 +143,28 @@ def test_maps_name_backends_by_class_path():
             assert module.startswith("vllm.") and name[:1].isupper(), path
 
 
-def test_an_unmapped_layer_stops_the_worker_at_registration():
-    spec = _spec()
+def _unmapped_layer() -> tuple[kvi.KVCacheConfig, Any, dict[str, LayerDouble]]:
+    """One attention layer's config, caches, and a backend no map knows."""
     config = kvi.KVCacheConfig(
-        num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[kvi.KVCacheGroupSpec([LAYER], spec)]
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvi.KVCacheGroupSpec([LAYER], _spec())],
     )
-    caches = allocate(config)
 
     class OutOfTreeBackend:
         pass
 
+    return config, allocate(config), {LAYER: LayerDouble(OutOfTreeBackend)}
+
+
+def test_an_unmapped_layer_stops_the_worker_at_registration():
+    config, caches, layers = _unmapped_layer()
     worker = make_tail_worker(config)
     with pytest.raises(UnmappedPage, match=repr(LAYER)):
-        worker.register_kv_caches(caches.views, config, {LAYER: LayerDouble(OutOfTreeBackend)})
+        worker.register_kv_caches(caches.views, config, layers)
     # Nothing zeroed, digested or probed: the layout is never read.
     idle = make_tail_worker(config, zeroes_tails=False, zeroes_read_tails=False)
-    idle.register_kv_caches(caches.views, config, {LAYER: LayerDouble(OutOfTreeBackend)})
+    idle.register_kv_caches(caches.views, config, layers)
 
 
 @pytest.mark.extras  # the digest's worker half is an opt-in layer
@@ -166,16 +173,7 @@ def test_the_default_sampled_digest_steps_aside_on_an_unmapped_layer(caplog):
     digest: a layout it cannot map turns the digest off on that worker, with a
     WARNING, instead of stopping an engine that zeroes nothing; "digest" set by
     name, or any zeroing, still refuses."""
-    spec = _spec()
-    config = kvi.KVCacheConfig(
-        num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[kvi.KVCacheGroupSpec([LAYER], spec)]
-    )
-    caches = allocate(config)
-
-    class OutOfTreeBackend:
-        pass
-
-    layers = {LAYER: LayerDouble(OutOfTreeBackend)}
+    config, caches, layers = _unmapped_layer()
     digest_only = dict(zeroes_tails=False, zeroes_read_tails=False, verifies_loads=True)
     sampled = make_tail_worker(config, **digest_only, digest_steps_aside=True)
     sampled.register_kv_caches(caches.views, config, layers)
