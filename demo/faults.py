@@ -6,6 +6,8 @@ the decode leg):
 
 * :class:`PoisonTail` plants a value (NaN) in the producer's never-written tail
   slots of the request's last block, as the in-process e2e tests do;
+* :class:`CorruptSlot` changes one written slot of the producer's KV (valid KV,
+  after anything P computed over it, its digest included): a transfer fault;
 * :class:`AfterPrefill` runs an action (kill or freeze the prefill server) once
   ``parties`` requests have all finished their prefill leg, so several decode
   servers can meet the same fault at once.
@@ -54,6 +56,34 @@ class PoisonTail:
             last = blocks[(n - 1) // self.block_size]
             planted = self.prefill.fill_slots([last], written, None, self.value)
         with self._lock:
+            self.planted.append(planted)
+
+
+class CorruptSlot:
+    """Set prompt token ``token``'s slot of the producer's KV, in every attention
+    layer, to ``value`` after its prefill and before the decode server pulls.
+
+    ``answers`` keeps each prefill leg's answer (its ``kv_transfer_params``: the
+    entry and digest P sent), in order; ``planted`` the (layer, slot) pairs set.
+    """
+
+    def __init__(self, prefill: APIServer, block_size: int, token: int, value: float) -> None:
+        self.prefill = prefill
+        self.block_size = block_size
+        self.token = token
+        self.value = value
+        self.answers: list[dict[str, Any]] = []
+        self.planted: list[int] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        if prompt_tokens(answer) <= self.token:
+            raise ValueError(f"prompt of {prompt_tokens(answer)} tokens has no token {self.token}")
+        blocks = answer["kv_transfer_params"]["remote_block_ids"][0]  # the attention group
+        block, slot = divmod(self.token, self.block_size)
+        planted = self.prefill.fill_slots([blocks[block]], slot, slot + 1, self.value)
+        with self._lock:
+            self.answers.append(answer)
             self.planted.append(planted)
 
 
