@@ -200,10 +200,6 @@ class TailWorker:
             if part is not None:
                 part.restore()
 
-    @property
-    def caches_released(self) -> bool:
-        return self._rank.released
-
     # ----------------------------------------------------------------- step
 
     def bind(self, meta: KVTailMetadata) -> None:
