@@ -40,28 +40,23 @@ class SchedulerExtra(Protocol):
         """A request arrived (a producer notes the prefill legs it serves)."""
 
     def before_allocation(self, request: Any, is_async: bool) -> None:
-        """A load is about to be allocated, before the inner connector's
-        ``update_state_after_alloc``, while its params are as the producer sent them."""
+        """Before the inner's ``update_state_after_alloc``, params as the producer sent them."""
 
     def async_load(
         self, request: Any, loaded: int, blocks: Any, groups: tuple[int, ...], build: BuildRecord
     ) -> LoadRecord | None:
-        """The record the workers get for an async load of tokens up to
-        ``loaded`` into ``blocks`` (the groups ``groups``): ``build``'s, or
-        None. What the feature adds to it goes in its step payload."""
+        """An async load's record for the workers: ``build``'s, or None; what the
+        feature adds to it goes in its step payload."""
 
     def sync_load(self, request: Any) -> Any:
-        """A synchronous READ was allocated: what :meth:`read_record` needs
-        of it at the metadata (opaque to the core)."""
+        """A READ was allocated: what :meth:`read_load` gets back (opaque to the core)."""
 
     def read_load(self, request: Any, allocated: Any, record: LoadRecord) -> None:
-        """A READ's tail record, at the metadata (``allocated``: what
-        :meth:`sync_load` returned)."""
+        """A READ's tail record, at the metadata (``allocated``: :meth:`sync_load`'s)."""
 
     def step_payload(self, scheduler_output: Any, manager: Any) -> Any:
-        """What the workers get this step (``KVTailMetadata.extra``): for the
-        step's completing prompts, and for the loads recorded since the last
-        call; None for nothing."""
+        """``KVTailMetadata.extra`` for this step's completing prompts and the loads
+        recorded since the last call; None for nothing."""
 
     def request_finished(self, request: Any, params: dict[str, Any] | None) -> None:
         """``request`` finished; ``params`` go into its output."""
@@ -78,8 +73,7 @@ class SchedulerExtra(Protocol):
         """The allocation hook of ``req_id`` failed."""
 
     def contain_meta(self) -> None:
-        """``build_connector_meta`` failed: nothing recorded for this step's
-        payload is shipped (no claim is made, no load checked)."""
+        """``build_connector_meta`` failed: what this step's payload held is dropped."""
 
     def contain_output(self, connector_output: Any) -> None:
         """``update_connector_output`` failed: no grant from this call."""
@@ -130,24 +124,20 @@ class WorkerExtra(Protocol):
     def bind(
         self, payload: Any, loads: tuple[LoadRecord, ...], read_loads: tuple[LoadRecord, ...]
     ) -> AbstractSet[str]:
-        """This step's payload (``KVTailMetadata.extra``) and the core's new
-        async and READ loads. Returns the async loads the feature acts on at
-        completion (the core completes them one by one, through :meth:`completed`)."""
+        """This step's ``KVTailMetadata.extra`` and the core's new loads; returns the
+        async loads the feature acts on in :meth:`completed`."""
 
     def produce(self) -> None:
         """The producer hook, after the core's work in it."""
 
     def reads_to_zero(self, records: list[LoadRecord], *, trusted: bool) -> list[LoadRecord]:
-        """The READ loads of ``records`` the core still zeroes (``trusted``:
-        a claim may skip one)."""
+        """Those of ``records`` the core still zeroes (``trusted``: a claim may skip one)."""
 
     def completed(self, records: list[LoadRecord]) -> Completed:
-        """The clean loads of a pass (none failed, aborted or unmapped),
-        before its one launch."""
+        """A pass's clean loads (not failed, aborted or unmapped), before its launch."""
 
     def forget(self, req_ids: Iterable[str]) -> None:
-        """These loads left the core (completed, dropped, reported failed, or
-        READs the core zeroed on its fallback path)."""
+        """These loads left the core: completed, dropped, failed, or READs zeroed on fallback."""
 
     def hold(self, results: KVConnectorTransferResults) -> KVConnectorTransferResults:
         """The pass's answer, with what the feature holds back or fails."""
