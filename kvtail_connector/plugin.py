@@ -94,25 +94,19 @@ def apply_command_line_environment(
     environ: MutableMapping[str, str] = os.environ,
     is_cpu: bool | None = None,
 ) -> dict[str, str]:
-    """Set in ``environ`` what vLLM's platform would set for the connector
-    inside ``KVTailConnector`` (:func:`kvtail_connector.facade.name_keyed.early_environment`),
-    for the ``--kv-transfer-config`` vLLM's parser will build from ``argv``
-    (:func:`transfer_config_from_argv`), keeping any value already there (the
-    user's, as vLLM keeps it). Returns what was set: nothing where ``argv``
-    sets no such config or the plugin cannot tell which (a ``--config`` file);
-    where that matters, KVTailConnector refuses at start-up naming the variable.
-    ``is_cpu``: the platform (None: vLLM's, asked only once a config is found)."""
+    """:func:`kvtail_connector.facade.name_keyed.prepare_environment` for the
+    ``--kv-transfer-config`` vLLM's parser will build from ``argv``
+    (:func:`transfer_config_from_argv`). Returns what was set: nothing where
+    ``argv`` sets no such config or the plugin cannot tell which (a ``--config``
+    file); where that matters, KVTailConnector refuses at start-up naming the
+    variable. ``is_cpu``: the platform (None: vLLM's, asked only once a config
+    is found)."""
     config = transfer_config_from_argv(argv)
     if config is None:
         return {}
-    from kvtail_connector import _compat
     from kvtail_connector.facade import name_keyed
 
-    cpu = _compat.platform_is_cpu() if is_cpu is None else is_cpu
-    wanted = name_keyed.early_environment(config, cpu)
-    applied = {k: v for k, v in wanted.items() if k not in environ}
-    environ.update(applied)
-    return applied
+    return name_keyed.prepare_environment(config, environ, is_cpu)
 
 
 def transfer_config_from_argv(argv: Sequence[str]) -> dict[str, Any] | None:

@@ -27,14 +27,15 @@ and each process pins the layout (``get_conv_state_layout`` is an
 ``lru_cache``) when the model's Mamba shapes are first made, before any
 connector is built. The only wrapper code that runs before all of that is
 the ``vllm.general_plugins`` entry point, which has no config but runs in the
-front end while vLLM builds its argument parser: :func:`environment_from_argv`.
+front end while vLLM builds its argument parser:
+:func:`kvtail_connector.plugin.apply_command_line_environment`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,49 +125,22 @@ def early_environment(kv_transfer_config: Mapping[str, Any], is_cpu: bool) -> di
     return {}
 
 
-def _argv_transfer_config(argv: Sequence[str]) -> str | None:
-    # FlexibleArgumentParser's JSON forms: "--kv-transfer-config JSON" and
-    # "--kv-transfer-config=JSON" (underscores too); the last one given wins.
-    found = None
-    for i, arg in enumerate(argv):
-        for flag in ("--kv-transfer-config", "--kv_transfer_config"):
-            if arg == flag and i + 1 < len(argv):
-                found = argv[i + 1]
-            elif arg.startswith(flag + "="):
-                found = arg[len(flag) + 1 :]
-    return found
-
-
-def environment_from_argv(argv: Sequence[str], is_cpu: bool) -> dict[str, str]:
-    """:func:`early_environment` of the ``--kv-transfer-config`` on a command
-    line (empty when it has none, or none in a JSON form)."""
-    text = _argv_transfer_config(argv)
-    config = _as_dict(text) if text is not None else None
-    return early_environment(config, is_cpu) if config is not None else {}
-
-
-def apply_early_environment(
-    argv: Sequence[str], environ: Any = os.environ, is_cpu: bool | None = None
+def prepare_environment(
+    kv_transfer_config: Mapping[str, Any],
+    environ: MutableMapping[str, str] = os.environ,
+    is_cpu: bool | None = None,
 ) -> dict[str, str]:
-    """Set in ``environ`` what :func:`environment_from_argv` asks for, keeping
-    any value already there (the user's, as vLLM keeps it). Returns what was set."""
-    if _argv_transfer_config(argv) is None:
-        return {}
-    wanted = environment_from_argv(argv, _compat.platform_is_cpu() if is_cpu is None else is_cpu)
+    """Set in ``environ`` what vLLM's platform would set for the connector inside
+    the wrapper (:func:`early_environment`), keeping any value already there (the
+    user's, as vLLM keeps it). Returns what was set. For a Python launcher
+    (``LLM(...)``, a harness starting engines): call it before vLLM builds the
+    engine's config. The plugin calls it for an API server's command line
+    (:func:`kvtail_connector.plugin.apply_command_line_environment`). ``is_cpu``:
+    the platform (None: vLLM's)."""
+    cpu = _compat.platform_is_cpu() if is_cpu is None else is_cpu
+    wanted = early_environment(kv_transfer_config, cpu)
     applied = {k: v for k, v in wanted.items() if k not in environ}
     environ.update(applied)
-    return applied
-
-
-def prepare_environment(kv_transfer_config: Mapping[str, Any]) -> dict[str, str]:
-    """For a Python launcher (``LLM(...)``, a harness starting engines): set in
-    ``os.environ`` what vLLM's platform would set for the connector inside the
-    wrapper, keeping any value already there. Call it before vLLM builds the
-    engine's config; it is what the plugin does for an API server's command
-    line. Returns what was set."""
-    wanted = early_environment(kv_transfer_config, _compat.platform_is_cpu())
-    applied = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(applied)
     return applied
 
 

@@ -169,7 +169,7 @@ def _layout_after_config(kv_transfer_config: dict[str, Any], argv: list[str]) ->
     """The layout variable once vLLM built its config in a fresh front end whose
     command line is ``argv`` (the plugin ran first, as vLLM runs it)."""
     os.environ.pop(LAYOUT, None)
-    name_keyed.apply_early_environment(argv)
+    plugin.apply_command_line_environment(argv)
     _build(kv_transfer_config)
     return os.environ.get(LAYOUT)
 
@@ -221,36 +221,38 @@ def test_a_python_launcher_prepares_the_same_layout(clean_environ) -> None:
 def test_wrapped_non_nixl_keeps_vllms_choice(clean_environ) -> None:
     plain = _mooncake_store()
     reference = _layout_after_config(plain, ["api_server"])
-    assert name_keyed.environment_from_argv(_argv(_wrapped(plain)), is_cpu=True) == {}
+    assert plugin.apply_command_line_environment(_argv(_wrapped(plain)), {}, is_cpu=True) == {}
     assert _layout_after_config(_wrapped(plain), _argv(_wrapped(plain))) == reference
 
 
 @pytestmark_cpu
 def test_an_explicit_layout_is_kept(clean_environ) -> None:
     os.environ[LAYOUT] = "SD"
-    assert name_keyed.apply_early_environment(_argv(_wrapped(_nixl()))) == {}
+    assert plugin.apply_command_line_environment(_argv(_wrapped(_nixl()))) == {}
     _build(_wrapped(_nixl()))
     assert os.environ[LAYOUT] == "SD"  # as vLLM keeps it for a plain NIXL
+
+
+def _command_line_environment(args: list[str], is_cpu: bool) -> dict[str, str]:
+    """What the plugin sets for the command line ``x ARGS`` in an empty environment."""
+    return plugin.apply_command_line_environment(["x", *args], {}, is_cpu)
 
 
 def test_command_line_forms_and_platforms() -> None:
     wrapped = json.dumps(_wrapped(_nixl()))
     want = {LAYOUT: "DS"}
-    assert name_keyed.environment_from_argv(["x", f"--kv-transfer-config={wrapped}"], True) == want
-    assert name_keyed.environment_from_argv(["x", "--kv_transfer_config", wrapped], True) == want
-    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", wrapped], False) == {}
-    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", "{bad"], True) == {}
-    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config"], True) == {}
+    assert _command_line_environment([f"--kv-transfer-config={wrapped}"], True) == want
+    assert _command_line_environment(["--kv_transfer_config", wrapped], True) == want
+    assert _command_line_environment(["--kv-transfer-config", wrapped], False) == {}
+    assert _command_line_environment(["--kv-transfer-config", "{bad"], True) == {}
+    assert _command_line_environment(["--kv-transfer-config"], True) == {}
     plain = json.dumps(_nixl())  # vLLM sees this one itself
-    assert name_keyed.environment_from_argv(["x", "--kv-transfer-config", plain], True) == {}
+    assert _command_line_environment(["--kv-transfer-config", plain], True) == {}
     # The backend as the wrapper's config reads it: surrounding spaces dropped.
     padded = _wrapped(_nixl())
     extra = padded["kv_connector_extra_config"]
     extra["backend"] = f"  {extra['backend']} "
-    assert (
-        name_keyed.environment_from_argv(["x", "--kv-transfer-config", json.dumps(padded)], True)
-        == want
-    )
+    assert _command_line_environment(["--kv-transfer-config", json.dumps(padded)], True) == want
 
 
 def test_plugin_applies_the_command_line_layout(monkeypatch, clean_environ) -> None:
