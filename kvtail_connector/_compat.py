@@ -78,14 +78,16 @@ checked and need no bridge:
 
 The same in 0.33 and 0.34, as this module reads it: the model-parallel groups
 (``get_dcp_group``, ``_PCP``, ``_WORLD``), the ``ParallelConfig`` fields,
-``KVTransferConfig`` (a dataclass), the null block (the first block the pool
-hands out), ``static_forward_context``, ``get_conv_state_layout``, ROCm's
-interleaved-V and shuffle-layout switches and ``fuse_qk_norm_rope_kvcache``.
+the null block (the first block the pool hands out), ``get_conv_state_layout``,
+ROCm's interleaved-V and shuffle-layout switches and ``fuse_qk_norm_rope_kvcache``.
+Read where they are used, the same in 0.32 to 0.34: ``KVTransferConfig`` is a
+dataclass (``facade/inner.py`` copies it with ``dataclasses.replace``),
+``CompilationConfig.static_forward_context`` (``facade/worker_hooks.py``) and
+``ParallelConfig._allow_auto_resolve_cp_interleave_size`` (``facade/name_keyed.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -158,11 +160,6 @@ def moriio_reads_may_land_per_layer() -> bool:
     return check_vllm_version() < (0, 33)
 
 
-def replace_transfer_config(config: Any, **changes: Any) -> Any:
-    """A copy of a ``KVTransferConfig`` with ``changes`` (same in 0.32 to 0.34)."""
-    return dataclasses.replace(config, **changes)
-
-
 # vLLM's null block (sliding-window gaps, skipped blocks) is the first block the
 # BlockPool hands out: block_id 0 in 0.32 to 0.34 (tests check it).
 NULL_BLOCK_ID = 0
@@ -176,13 +173,6 @@ def dcp_world_size(parallel_config: Any) -> int:
 def pcp_world_size(parallel_config: Any) -> int:
     """``prefill_context_parallel_size`` (absent or 0 means 1; 0.32 to 0.34)."""
     return int(getattr(parallel_config, "prefill_context_parallel_size", 1) or 1)
-
-
-def cp_interleave_auto_resolved(parallel_config: Any) -> bool:
-    """Whether vLLM may set ``cp_kv_cache_interleave_size`` itself (the user did
-    not set it: ``ParallelConfig._allow_auto_resolve_cp_interleave_size``, 0.32
-    to 0.34; absent, as vLLM's default, True)."""
-    return bool(getattr(parallel_config, "_allow_auto_resolve_cp_interleave_size", True))
 
 
 def dcp_interleave_size(parallel_config: Any) -> int:
@@ -219,12 +209,6 @@ def fused_kv_writer(vllm_config: Any) -> str | None:
     ):
         return "VLLM_ROCM_USE_AITER=0 (this architecture's fused QK-norm/RoPE/KV pass)"
     return None
-
-
-def layer_objects(vllm_config: Any) -> dict[str, Any] | None:
-    """The attention layer objects by name (``static_forward_context``), or
-    None where the compilation config has none (test doubles)."""
-    return getattr(vllm_config.compilation_config, "static_forward_context", None)
 
 
 # Sleep-mode hooks arrived in 0.33 (KVConnectorBase_V1.supports_sleep_mode,

@@ -20,10 +20,9 @@ from __future__ import annotations
 import copy
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from kvtail_connector import _compat
 from kvtail_connector.config import PREFIX, KVTailConfig
 from kvtail_connector.connectors import InnerAdapter, adapter_for, extra_for
 from kvtail_connector.plugin import CONNECTOR_NAME
@@ -72,7 +71,7 @@ def wrap_kv_transfer_config(plain: Mapping[str, Any], **options: Any) -> dict[st
 
 def inner_transfer_config(outer: Any, cfg: KVTailConfig) -> Any:
     """The inner connector's ``KVTransferConfig`` (a new object; ``outer`` is untouched)."""
-    return _compat.replace_transfer_config(
+    return replace(
         outer,
         kv_connector=cfg.backend,
         kv_connector_module_path=cfg.backend_module_path,

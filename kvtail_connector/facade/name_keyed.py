@@ -202,8 +202,10 @@ def _check_nixl_dcp(vllm_config: Any, inner: _Inner, kv_block_size: int | None) 
             f"{label} behind KVTailConnector: PD with "
             "decode_context_parallel_size > 1 is only supported for MLA models."
         )
-    if not _compat.cp_interleave_auto_resolved(parallel):
-        return  # set explicitly: vLLM keeps it for a plain NIXL too
+    # vLLM's own flag (0.32-0.34; absent: its default, True): False where the
+    # user set the interleave, which vLLM then keeps for a plain NIXL too.
+    if not getattr(parallel, "_allow_auto_resolve_cp_interleave_size", True):
+        return
     # vLLM's value: the smallest KV cache group block size (rank-local).
     block_size = int(kv_block_size or vllm_config.cache_config.block_size)
     interleave = _compat.dcp_interleave_size(parallel)

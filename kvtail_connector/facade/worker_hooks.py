@@ -72,7 +72,8 @@ class WorkerHooks(ForwardingConnector):
             self._worker.register_kv_caches(
                 kv_caches,
                 self._kv_cache_config,
-                _compat.layer_objects(self._vllm_config),
+                # None on a test double's compilation config (vLLM's has one in 0.32-0.34).
+                getattr(self._vllm_config.compilation_config, "static_forward_context", None),
                 EngineFacts(fused_kv_writer=_compat.fused_kv_writer(self._vllm_config)),
             )
 
