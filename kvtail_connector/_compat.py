@@ -89,7 +89,7 @@ dataclass (``facade/inner.py`` copies it with ``dataclasses.replace``),
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 SUPPORTED = ((0, 32), (0, 33), (0, 34))
 SUPPORTED_TEXT = "vLLM 0.32.x, 0.33.x and 0.34.x"
@@ -214,18 +214,13 @@ def fused_kv_writer(vllm_config: Any) -> str | None:
 # Sleep-mode hooks arrived in 0.33 (KVConnectorBase_V1.supports_sleep_mode,
 # unregister_kv_caches, restore_kv_caches; 0.34 also calls the last two around
 # weight updates); a 0.32 inner connector has none.
-def unregister_inner_kv_caches(inner: Any) -> None:
-    """The inner connector's ``unregister_kv_caches`` where it has one (0.33, 0.34)."""
-    hook = getattr(inner, "unregister_kv_caches", None)
-    if hook is not None:
-        hook()
-
-
-def restore_inner_kv_caches(inner: Any) -> None:
-    """The inner connector's ``restore_kv_caches`` where it has one (0.33, 0.34)."""
-    hook = getattr(inner, "restore_kv_caches", None)
-    if hook is not None:
-        hook()
+def call_inner_sleep_hook(
+    inner: Any, hook: Literal["unregister_kv_caches", "restore_kv_caches"]
+) -> None:
+    """Call the inner connector's sleep-mode ``hook`` where it has one (0.33, 0.34)."""
+    method = getattr(inner, hook, None)
+    if method is not None:
+        method()
 
 
 def inner_supports_sleep_mode(inner_cls: type, kv_transfer_config: Any) -> bool:

@@ -80,10 +80,10 @@ class WorkerHooks(ForwardingConnector):
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:
             self._worker.unregister_kv_caches()
-        _compat.unregister_inner_kv_caches(self._inner)
+        _compat.call_inner_sleep_hook(self._inner, "unregister_kv_caches")
 
     def restore_kv_caches(self) -> None:
-        _compat.restore_inner_kv_caches(self._inner)
+        _compat.call_inner_sleep_hook(self._inner, "restore_kv_caches")
         if self._worker is not None:
             self._worker.restore_kv_caches()
 
