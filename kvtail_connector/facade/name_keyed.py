@@ -187,10 +187,7 @@ def _check_nixl_dcp(vllm_config: Any, inner: _Inner, kv_block_size: int | None) 
     if found is None:
         return
     label = found[1]
-    transfer_tp = max(
-        int(parallel.tensor_parallel_size),
-        int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
-    )
+    transfer_tp = max(int(parallel.tensor_parallel_size), _compat.pcp_world_size(parallel))
     if dcp != transfer_tp:
         raise ValueError(
             f"{label} behind KVTailConnector: decode_context_parallel_size={dcp} "
