@@ -85,7 +85,7 @@ class Assembled:
 
 
 @dataclass(frozen=True)
-class EngineFacts:
+class PolicyFacts:
     """What vLLM's config and the inner connector's adapter say about this
     engine: the arguments of :func:`~kvtail_connector.core.policy.resolve_policy`
     beside the user's config (each field is the parameter of that name)."""
@@ -120,7 +120,7 @@ def assemble(
     extras = extras_installed()
     entry_key = _entry_key(cfg) if extras else None
     adapter, inner = _inner(resolved, vllm_config, role, kv_cache_config)
-    facts = _engine_facts(vllm_config, kv_cache_config, adapter)
+    facts = _policy_facts(vllm_config, kv_cache_config, adapter)
     policy = resolve_policy(cfg, **dataclasses.asdict(facts), extras_installed=extras)
     # Said at start-up: an auto producer that does not vouch where trust would.
     trust_would_vouch = (
@@ -199,10 +199,10 @@ def _inner(
     return adapter, build_inner(resolved, vllm_config, role, kv_cache_config)
 
 
-def _engine_facts(vllm_config: Any, kv_cache_config: Any, adapter: InnerAdapter) -> EngineFacts:
+def _policy_facts(vllm_config: Any, kv_cache_config: Any, adapter: InnerAdapter) -> PolicyFacts:
     transfer = vllm_config.kv_transfer_config
     parallel = vllm_config.parallel_config
-    return EngineFacts(
+    return PolicyFacts(
         needs_zeroing=bool(kv_cache_config.needs_kv_cache_zeroing),
         has_mamba=bool(kv_cache_config.has_mamba_layers),
         is_consumer=bool(transfer.is_kv_consumer),
