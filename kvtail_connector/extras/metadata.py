@@ -289,8 +289,8 @@ class EntryReport:
         )
 
 
-def report_of(worker_meta: Any) -> EntryReport:
+def report_of(worker_meta: Any) -> EntryReport | None:
     """The folded report in ``worker_meta`` (a ``KVTailWorkerMeta`` or None);
-    an empty one where no rank sent any."""
+    None where no rank sent any (most steps: nothing is built to be read empty)."""
     extra = getattr(worker_meta, "extra", None)
-    return extra if isinstance(extra, EntryReport) else EntryReport()
+    return extra if isinstance(extra, EntryReport) else None

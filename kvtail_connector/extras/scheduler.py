@@ -209,10 +209,9 @@ class EntryFeatures:
             )
         if not in_flight:
             return
-        if claims is not None and worker_meta is not None:
-            false_vouches = report_of(worker_meta).false_vouches
-            if false_vouches:
-                claims.count_false_vouches(false_vouches, in_flight)
+        report = report_of(worker_meta)
+        if claims is not None and report is not None and report.false_vouches:
+            claims.count_false_vouches(report.false_vouches, in_flight)
         if verify is not None and self._policy.verifies_loads:
             verify.count_verdicts(connector_output, worker_meta, in_flight)
 

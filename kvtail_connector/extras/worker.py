@@ -176,7 +176,7 @@ class EntryFeaturesWorker:
 
     def report(self) -> EntryReport | None:
         """None on a step with nothing to report (the usual one): the scheduler
-        reads a missing report as an empty one (``report_of``)."""
+        reads a missing report as nothing reported (``report_of``)."""
         claims, verify = self._claims, self._verify
         if verify is not None and not verify.has_report:
             verify = None

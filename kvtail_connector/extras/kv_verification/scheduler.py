@@ -165,8 +165,8 @@ class VerificationScheduler:
         """Fold this step's verdicts of the ranks; count each load once vLLM
         reports it finished (every rank then reported its verdict), and log a
         mismatch there, once per request."""
-        if worker_meta is not None:
-            report = report_of(worker_meta)
+        report = report_of(worker_meta)
+        if report is not None:
             for req_id, found in report.verdicts.items():
                 if req_id in in_flight:
                     have = self._verdicts.get(req_id)
