@@ -10,6 +10,7 @@ changes one. Expected sums come from the plain reference
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -597,6 +598,38 @@ def test_a_group_with_other_heads_than_the_model_is_not_compared_across_tp(p_tp,
     # across TP (keyed from the model's count, P TP 1 against D TP 4 was a false
     # mismatch on one D rank; some pairs happened to agree and are now skipped).
     assert _group_verdicts(full, d_tp, blocks, n, digest) == [UNVERIFIED] * d_tp
+
+
+def test_a_digest_keyed_for_another_layout_is_said_once_per_rank(caplog):
+    """Loads whose digest this rank cannot compare (here: a group keyed by rank,
+    P at TP 1, D at TP 2) are skipped; the rank says so in one WARNING, not in
+    one line per load."""
+    from kvtail_connector.core.cache_sets import CacheSet, cache_slots
+    from kvtail_connector.core.metadata import GroupLoad
+    from kvtail_connector.extras.metadata import UNVERIFIED, CheckedLoad, ExpectedDigest
+
+    full, blocks, n = _group_case(13)
+    digest = _group_parts(full, 1, blocks, n)
+    local = [c[:, rank_heads(0, 2, _LAYER_HEADS)].clone() for c in full]
+    digests = kv_digests_mod.RankDigests(
+        [CacheSet(0, 1, 1, local)], HeadPlacement(0, 2, _MODEL_HEADS)
+    )
+    assert digests.signature != digest.signature
+    caplog.set_level(logging.DEBUG)
+    for i in range(3):
+        load = CheckedLoad(
+            f"r{i}",
+            0,
+            n,
+            (GroupLoad(0, 0, tuple(blocks[: -(-n // cache_slots(local[0]))])),),
+            expected=ExpectedDigest(n, digest),
+        )
+        digests.plan_loads([load])
+        digests.check_loads([load])
+        digests.release()
+        assert digests.take_verdicts()[f"r{i}"] == UNVERIFIED
+    said = [r for r in caplog.records if "keyed for another layout" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (4, 4), (8, 16), (16, 8)])

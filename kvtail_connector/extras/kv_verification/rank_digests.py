@@ -114,6 +114,7 @@ class RankDigests:
         self._planned: OrderedDict[str, PlannedLoad] = OrderedDict()
         self._digesters: dict[tuple[int, bool], KVDigester] = {}
         self._checks: HeldChecks[LoadCheck] = HeldChecks(self._compare)
+        self._told_layout = False  # the WARNING below, once per rank
 
     def warmup(self) -> None:
         """Compile the digest kernel now (at registration, not in the first
@@ -214,6 +215,16 @@ class RankDigests:
         assert expected is not None
         dg = expected.digest
         if dg.algorithm != ALGORITHM or dg.signature != self.signature:
+            if not self._told_layout:
+                # Every load from such a producer is skipped: say so once, not
+                # only in a counter (digests_skipped).
+                self._told_layout = True
+                logger.warning(
+                    "KVTailConnector: verify_kv: a producer's digest is keyed for another "
+                    "layout (another digest algorithm, other page layers, or another TP on a "
+                    "page layout without per-head views, e.g. CPU attention); loads from it are "
+                    "not verified (vllm:kvtail_digests_skipped_total counts them)"
+                )
             logger.debug("kvtail: %s: digest of another algorithm or layout", r.req_id)
             return PlannedLoad(r, UNVERIFIED)
         segments = inside(dg.segment, expected.num_tokens, r.num_local, r.num_loaded)
