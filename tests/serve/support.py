@@ -10,7 +10,7 @@ from demo import procs
 from demo.api_server import APIServer
 from demo.prom_text import delta, info_label, kvtail_values, total
 from demo.router import Router
-from demo.workload import Answer, Prompt, openai_client, send, send_all
+from demo.workload import Answer, Prompt, mixed_prompts, openai_client, send, send_all
 
 T = TypeVar("T")
 MAX_TOKENS = 12
@@ -65,6 +65,18 @@ def idle(server: APIServer) -> dict[str, float] | None:
 
 def wait_idle(server: APIServer, timeout: float = 120.0) -> dict[str, float]:
     return wait_until(lambda: idle(server), timeout, f"{server.spec.name} idle")
+
+
+def served_prompts(
+    reference: APIServer, count: int, block_size: int, *, seed: int, low: int = 8, high: int = 200
+) -> list[Prompt]:
+    """``mixed_prompts`` whose chat lengths are counted by ``reference``'s own
+    tokenizer and chat template (what the engine will see)."""
+
+    def count_tokens(messages: list[dict[str, str]]) -> int:
+        return len(reference.tokenize(messages=messages, add_generation_prompt=True))
+
+    return mixed_prompts(count, block_size, count_tokens, seed=seed, low=low, high=high)
 
 
 def references(reference: APIServer, prompts: Sequence[Prompt]) -> list[Answer]:

@@ -22,7 +22,7 @@ from demo.faults import PoisonTail
 from demo.prefill_tap import PrefillTap
 from demo.router import Router
 from demo.serving import ServePair
-from demo.workload import Prompt, mixed_prompts, openai_client, send, send_all
+from demo.workload import Prompt, openai_client, send, send_all
 from tests.serve.conftest import Servers
 from tests.serve.support import (
     CONCURRENCY,
@@ -33,6 +33,7 @@ from tests.serve.support import (
     kvtail,
     mismatches,
     references,
+    served_prompts,
     slot_bytes,
     wait_counts,
     wait_idle,
@@ -49,12 +50,7 @@ def bs(servers: Servers) -> int:
 
 
 def _prompts(servers: Servers, count: int, bs: int, seed: int) -> list[Prompt]:
-    ref = servers.reference
-
-    def count_tokens(messages: list[dict[str, str]]) -> int:
-        return len(ref.tokenize(messages=messages, add_generation_prompt=True))
-
-    return mixed_prompts(count, bs, count_tokens, seed=seed, low=8, high=200)
+    return served_prompts(servers.reference, count, bs, seed=seed)
 
 
 @pytest.fixture(scope="module", autouse=True)

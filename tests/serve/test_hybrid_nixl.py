@@ -39,7 +39,7 @@ from demo.prefill_tap import PrefillTap
 from demo.router import Router
 from demo.serving import Fleet, ServePair
 from demo.tiny_model import ensure_tiny_hybrid
-from demo.workload import Prompt, mixed_prompts, openai_client, send_all
+from demo.workload import Prompt, openai_client, send_all
 from kvtail_connector.facade.name_keyed import CONV_STATE_LAYOUT_ENV
 from tests.e2e.support import require
 from tests.serve.support import (
@@ -49,6 +49,7 @@ from tests.serve.support import (
     mismatches,
     references,
     router_with_prefill_dead,
+    served_prompts,
     wait_counts,
 )
 
@@ -68,10 +69,7 @@ class Hybrid:
         """``mixed_prompts``: completions and chats, streamed and not, mid-block
         and on the boundary of an attention block."""
 
-        def count_tokens(messages: list[dict[str, str]]) -> int:
-            return len(self.reference.tokenize(messages=messages, add_generation_prompt=True))
-
-        return mixed_prompts(count, self.attn_block, count_tokens, seed=seed, low=8, high=200)
+        return served_prompts(self.reference, count, self.attn_block, seed=seed)
 
     def ensure_prefill(self) -> None:
         """The prefill server up (a test before may have killed it), the tap passing

@@ -20,7 +20,7 @@ from demo.prom_text import total
 from demo.router import Router
 from demo.serving import ServePair
 from demo.tiny_model import ensure_tiny_llama
-from demo.workload import mixed_prompts, openai_client, send_all
+from demo.workload import openai_client, send_all
 from tests.e2e.support import require
 from tests.serve.conftest import Servers
 from tests.serve.support import (
@@ -30,6 +30,7 @@ from tests.serve.support import (
     kvtail,
     mismatches,
     references,
+    served_prompts,
     wait_counts,
 )
 
@@ -57,10 +58,7 @@ def test_store_pair_through_the_router_is_transparent(servers: Servers, pair: Se
     bs = block_size(pair.decode)
     ref = servers.reference
 
-    def count_tokens(messages: list[dict[str, str]]) -> int:
-        return len(ref.tokenize(messages=messages, add_generation_prompt=True))
-
-    prompts = mixed_prompts(24, bs, count_tokens, seed=5, low=bs + 1, high=200)
+    prompts = served_prompts(ref, 24, bs, seed=5, low=bs + 1)
     refs = references(ref, prompts)
     before, hits = kvtail(pair.decode), _store_hits(pair)
     log_dir = servers.fleet.log_dir

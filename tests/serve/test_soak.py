@@ -39,7 +39,6 @@ from demo.router import Router
 from demo.workload import (
     Answer,
     Prompt,
-    mixed_prompts,
     openai_client,
     request_kwargs,
     send,
@@ -52,6 +51,7 @@ from tests.serve.support import (
     kvtail,
     mismatches,
     references,
+    served_prompts,
     wait_counts,
 )
 
@@ -105,11 +105,8 @@ def test_soak(servers: Servers, tmp_path: Path) -> None:
     bs = block_size(d)
     ref = servers.reference
 
-    def count_tokens(messages: list[dict[str, str]]) -> int:
-        return len(ref.tokenize(messages=messages, add_generation_prompt=True))
-
     rng = random.Random(7)
-    prompts = mixed_prompts(REQUESTS, bs, count_tokens, seed=7, low=4, high=300)
+    prompts = served_prompts(ref, REQUESTS, bs, seed=7, low=4, high=300)
     if os.environ.get("KVTAIL_SOAK_PREFIX_CACHING") == "1":
         shared = tuple(range(100, 100 + 3 * bs))  # three whole blocks, the tiny vocab
         prompts = [

@@ -24,7 +24,7 @@ import pytest
 from demo.faults import CorruptSlot
 from demo.prefill_tap import PrefillTap
 from demo.router import Router
-from demo.workload import mixed_prompts, openai_client, send
+from demo.workload import openai_client, send
 from kvtail_connector.config import KVTailConfig
 from kvtail_connector.extras import entry
 from tests.serve.conftest import Servers
@@ -33,6 +33,7 @@ from tests.serve.support import (
     block_size,
     kvtail,
     references,
+    served_prompts,
     wait_counts,
     wait_idle,
     wait_until,
@@ -65,10 +66,7 @@ def test_every_transfer_corrupted_the_default_sample_raises_the_alarm(servers: S
     bs = block_size(d)
     ref = servers.reference
 
-    def count_tokens(messages: list[dict[str, str]]) -> int:
-        return len(ref.tokenize(messages=messages, add_generation_prompt=True))
-
-    prompts = mixed_prompts(REQUESTS, bs, count_tokens, seed=38, low=TOKEN + 5, high=120)
+    prompts = served_prompts(ref, REQUESTS, bs, seed=38, low=TOKEN + 5, high=120)
     refs = references(ref, prompts)
     alarms_before = len(_alarms(d.log_text()))
     d_before, p_before = kvtail(d), kvtail(p)
